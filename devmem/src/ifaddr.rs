@@ -1,5 +1,6 @@
 //! The IPv4 address of a network interface (`SIOCGIFADDR`), for a lane's data address: the
 //! address of the NIC paired with its GPU (DESIGN §11). IPv4 only, as TCPX/TCPXO steer tcp4.
+//! And an interface's index and name, both ways (what [`crate::ingress`] compares).
 #![forbid(unsafe_code)]
 
 use std::net::Ipv4Addr;
@@ -36,6 +37,25 @@ pub fn ipv4(ifname: &str) -> Result<Option<Ipv4Addr>, IfAddrError> {
     crate::sys::ipv4_of(sock.as_fd(), ifname).map_err(err)
 }
 
+/// The ifindex of `ifname` in the caller's network namespace.
+pub fn ifindex(ifname: &str) -> Result<u32, IfAddrError> {
+    let err = |source: std::io::Error| match source.kind() {
+        std::io::ErrorKind::NotFound => IfAddrError::NoSuchInterface(ifname.to_owned()),
+        _ => IfAddrError::Ioctl {
+            ifname: ifname.to_owned(),
+            source,
+        },
+    };
+    let sock = crate::sys::ioctl_socket().map_err(err)?;
+    crate::sys::ifindex_of(sock.as_fd(), ifname).map_err(err)
+}
+
+/// The name of the interface `ifindex` in the caller's network namespace; `None` when there
+/// is none (it went).
+pub fn name_of(ifindex: u32) -> Option<String> {
+    crate::sys::if_indextoname(ifindex)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -47,5 +67,14 @@ mod tests {
         assert!(matches!(e, IfAddrError::NoSuchInterface(_)), "{e}");
         assert!(e.to_string().contains("sw-no-such0"), "{e}");
         assert!(ipv4("").is_err());
+    }
+
+    #[test]
+    fn loopback_ifindex_and_name_round_trip() {
+        let lo = ifindex("lo").unwrap();
+        assert_eq!(name_of(lo).as_deref(), Some("lo"));
+        let e = ifindex("sw-no-such0").unwrap_err();
+        assert!(matches!(e, IfAddrError::NoSuchInterface(_)), "{e}");
+        assert_eq!(name_of(u32::MAX), None);
     }
 }

@@ -10,7 +10,8 @@
 //! * [`probe`]: the per-NIC capability probe behind `shardwire nics` and `/v1/nics`.
 //! * [`mem`]: the CPU mapping of an RX dma-buf that frags are copied out of.
 //! * [`gather`]: turns one receive's frags into contiguous shard bytes.
-//! * [`ifaddr`]: an interface's IPv4 address (a lane's data address).
+//! * [`ifaddr`]: an interface's IPv4 address (a lane's data address), index and name.
+//! * [`ingress`]: which NIC a TCP connection came in on (its NAPI id, netdev `napi-get`).
 //! * [`emu`]: the kernel-faithful emulator of devmem RX used where no devmem NIC exists.
 //! * [`nic`]: NIC setup for devmem (channels, header split) journaled in a state file and
 //!   restored on shutdown or at the next start after a crash.
@@ -35,6 +36,7 @@ pub mod cmsg;
 pub mod emu;
 pub mod gather;
 pub mod ifaddr;
+pub mod ingress;
 pub mod mem;
 pub mod netdev;
 pub mod nic;

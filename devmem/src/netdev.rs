@@ -463,6 +463,17 @@ fn decode_err(e: netlink_bindings::utils::ErrorContext) -> String {
     e.to_string()
 }
 
+/// A NAPI instance from its `napi-get` reply (do or dump).
+fn napi_info(n: &netdev::IterableNapi<'_>) -> Result<NapiInfo, String> {
+    Ok(NapiInfo {
+        id: n.get_id().map_err(decode_err)?,
+        ifindex: n.get_ifindex().map_err(decode_err)?,
+        irq: n.get_irq().ok(),
+        pid: n.get_pid().ok(),
+        threaded: n.get_threaded().ok(),
+    })
+}
+
 /// Find the attribute at `offset` (extack offsets count from the request's `nlmsghdr`)
 /// in `request`, the request as sent without its `nlmsghdr` (genl header + attributes).
 /// Returns `(enclosing nest type, attribute type)`; one level of nesting is enough for the
@@ -786,17 +797,29 @@ impl NetdevClient {
             &req,
             &BindRequest::ifindex(ifindex),
             |n| {
-                out.push(NapiInfo {
-                    id: n.get_id().map_err(decode_err)?,
-                    ifindex: n.get_ifindex().map_err(decode_err)?,
-                    irq: n.get_irq().ok(),
-                    pid: n.get_pid().ok(),
-                    threaded: n.get_threaded().ok(),
-                });
+                out.push(napi_info(&n)?);
                 Ok(())
             },
         )?;
         Ok(out)
+    }
+
+    /// `napi-get` of one NAPI instance by its id (what `SO_INCOMING_NAPI_ID` reads off a
+    /// socket); `None` when the kernel has no instance of that id (ENOENT: its device went,
+    /// or was reconfigured and its instances were made anew).
+    pub fn napi_get(&mut self, id: u32) -> Result<Option<NapiInfo>, NetdevError> {
+        let mut req = netdev::Request::new().op_napi_get_do();
+        req.encode().push_id(id);
+        let mut out = None;
+        let got = self.exec(NetdevOp::NapiGet, &req, &BindRequest::default(), |n| {
+            out = Some(napi_info(&n)?);
+            Ok(())
+        });
+        match got {
+            Err(e) if e.errno() == Some(libc::ENOENT) => Ok(None),
+            Err(e) => Err(e),
+            Ok(()) => Ok(out),
+        }
     }
 
     /// `page-pool-get` dump: every page pool in the socket's namespace.

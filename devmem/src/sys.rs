@@ -485,6 +485,34 @@ pub(crate) fn rcvlowat(fd: BorrowedFd<'_>) -> io::Result<usize> {
     }
 }
 
+/// `SO_INCOMING_NAPI_ID` (include/uapi/asm-generic/socket.h: x86, arm64, riscv; the arches
+/// whose numbering differs, mips, sparc, parisc and alpha, are not built for).
+const SO_INCOMING_NAPI_ID: libc::c_int = 56;
+
+/// `getsockopt(SO_INCOMING_NAPI_ID)`: the id of the NAPI instance that received the socket's
+/// last packet; 0 when there was none with an id (loopback, a device without NAPI, a kernel
+/// without `CONFIG_NET_RX_BUSY_POLL`: the kernel turns every non-NAPI value into 0).
+pub(crate) fn incoming_napi_id(fd: BorrowedFd<'_>) -> io::Result<u32> {
+    let mut v: libc::c_uint = 0;
+    let mut len = std::mem::size_of::<libc::c_uint>() as libc::socklen_t;
+    // SAFETY: `v` is a live c_uint writable for `len` bytes and `len` a live socklen_t, both
+    // outliving the call; the kernel writes at most `len` bytes to `v`; `fd` is live.
+    let r = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_INCOMING_NAPI_ID,
+            (&mut v as *mut libc::c_uint).cast(),
+            &mut len,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(v)
+    }
+}
+
 /// `fcntl(fd, F_GETFL) & O_NONBLOCK`: whether reads on `fd` never wait.
 pub(crate) fn is_nonblocking(fd: BorrowedFd<'_>) -> io::Result<bool> {
     // SAFETY: F_GETFL takes no argument and touches no memory of ours; `fd` is live.

@@ -6,7 +6,8 @@
 //! lanes' data listeners hand it accepted sockets with the address each arrived on; a match
 //! (on the announced lane's address, else refused and counted) starts a receiver on that
 //! lane's path: its GPU, its own binding if it has one, its CPUs. A connection reads through
-//! its own lane's binding only. What any peer can cause (connections nobody announces:
+//! its own lane's binding only. The NIC each identified connection came in on is checked
+//! against its lane's ([`crate::ingress`]: counted and logged, received anyway). What any peer can cause (connections nobody announces:
 //! refused, evicted, swept) is logged at most once per kind and peer host every
 //! [`warn_limit::EVERY`], with the lines left out counted.
 
@@ -25,6 +26,7 @@ use tokio::sync::watch;
 use crate::binding::{BindingKind, Reading, RxRegion};
 use crate::counters::{Counters, FlowStats};
 use crate::fetch::{FetchFailure, InFlight};
+use crate::ingress::IngressCheck;
 use crate::lanes::plan::Ipv4Lookup;
 use crate::lanes::{Lane, Lanes};
 use crate::link::{Announcement, DataConns, Kick, SourceLink};
@@ -169,6 +171,8 @@ pub struct DataPlane {
     matcher: Mutex<Matcher<TcpStream, Expected>>,
     /// The lines about unidentified data connections, by kind and peer host.
     noise: Mutex<WarnLimit<(Unidentified, IpAddr)>>,
+    /// Checks the NIC each identified connection came in on against its lane's.
+    ingress: IngressCheck,
     rx: RwLock<Bindings>,
     /// The emulated host whose NICs the `devmem-sim` bindings are on.
     emu: Arc<EmuHost>,
@@ -202,6 +206,7 @@ impl DataPlane {
             lanes,
             matcher: Mutex::default(),
             noise: Mutex::new(WarnLimit::new(warn_limit::EVERY)),
+            ingress: IngressCheck::default(),
             rx: RwLock::new(rx.into_iter().collect()),
             emu,
             flows: Mutex::default(),
@@ -474,6 +479,7 @@ impl DataPlane {
         // Counted up only (a Prometheus counter, `_total`): a session that starts over counts
         // its connections again. The connections open now are the lane's live `flows`.
         lane.stats.data_connections.fetch_add(1, Ordering::Relaxed);
+        self.ingress.check(lane, &sock, peer, &link.addr);
         let flow = Arc::new(FlowStats::default());
         self.add_flow(Flow {
             source: link.addr.clone(),
@@ -503,6 +509,7 @@ impl DataPlane {
             self.unidentified(Unidentified::Unannounced, peer, peer);
         }
         self.say_left_out();
+        self.ingress.say_left_out();
         for (addr, e) in swept.expected {
             let why = Kick::NeverArrived {
                 conn: e.conn,
@@ -680,32 +687,13 @@ mod tests {
 
     /// Lane `id` on NIC `nic`, on the wildcard, awaiting the NIC's address or not.
     fn lane_on(id: u32, nic: &str, awaits_nic_address: bool) -> Lane {
-        Lane {
-            spec: crate::lanes::LaneSpec {
-                id,
-                gpu: None,
-                nic: Some(nic.into()),
-                nic_named: false,
-                nic_pci: None,
-                distance: None,
-                numa_node: None,
-                cpus: Vec::new(),
-                numa_bind: None,
-                queues: Vec::new(),
-                data_listen: "0.0.0.0:7401".parse().unwrap(),
-                awaits_nic_address,
-                devmem_memory: 1 << 20,
-                why: String::new(),
-                warn: true,
-                warn_at_nic_address: false,
-            },
-            data_addr: "0.0.0.0:7401".parse().unwrap(),
-            cuda: None,
-            cpus: Vec::new(),
-            numa_bind: None,
-            notes: Vec::new(),
-            stats: Default::default(),
-        }
+        let mut l = Arc::into_inner(crate::lanes::test_lane(id, None)).unwrap();
+        l.spec.nic = Some(nic.into());
+        l.spec.data_listen = "0.0.0.0:7401".parse().unwrap();
+        l.spec.awaits_nic_address = awaits_nic_address;
+        l.spec.warn = true;
+        l.data_addr = "0.0.0.0:7401".parse().unwrap();
+        l
     }
 
     /// A lane whose NIC had no address at start is told its NIC's address once the NIC has

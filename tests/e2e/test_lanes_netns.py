@@ -12,7 +12,10 @@ region on that GPU (the fake's allocation log), the shards through that lane's c
 threads on the CPUs of its NIC's NUMA node. A trainer naming a GPU the node does not serve is
 refused, and a connection the source dials to another lane's address (its fault injection) is
 refused and counted. With `memory = host` the same lanes hold host memory placed on their NUMA
-node where the kernel has it (numa_maps).
+node where the kernel has it (numa_maps), and the source's route to lane 3's address goes
+through lane 2's veth: the node receives those connections, counts each on lane 3 as on another
+NIC and names the veth it came in on (read off the socket: the node's veth ends receive through
+NAPI, GRO on, as real NICs do; every other connection is checked and on its own NIC).
 
 What the doubles cannot show: a devmem NIC's steering and DMA into GPU memory (veth carries
 plain TCP), or real PCIe distances (the tree is fake): scripts/gpu-check.sh on a GPU host.
@@ -51,12 +54,12 @@ from conftest import (
     write_uint8_shards,
 )
 from test_cuda_fake import fake_env, fake_lines
-from test_lanes import established_on
+from test_lanes import established_on, metric
 from test_netns import ip
 
 pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None,
-    reason="needs root and iproute2 to create network namespaces and veth pairs",
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("ethtool") is None,
+    reason="needs root, iproute2 (network namespaces, veth pairs) and ethtool (NAPI on the veths; scripts/test installs both)",
 )
 
 LANES = 4
@@ -78,10 +81,17 @@ def remove_stale_lanes() -> None:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 
+def ethtool(*args: str) -> None:
+    subprocess.run(["ethtool", *args], check=True, capture_output=True, timeout=30)
+
+
 @pytest.fixture
 def net():
     """A namespace for the source and LANES veth pairs: lane i's end `sl<tag><i>` in the root
-    namespace at 10.214.i.1/24, its peer in the namespace at 10.214.i.2/24."""
+    namespace at 10.214.i.1/24, its peer in the namespace at 10.214.i.2/24. The root ends
+    receive through NAPI as a real NIC does, so a socket names the one it came in on (GRO on;
+    and TSO off on the peers: a veth passes TSO frames around its NAPI), with loose
+    reverse-path filtering (a lane's address reached through another veth is let in)."""
     remove_stale_lanes()
     tag = uuid.uuid4().hex[:5]
     ns, ifs = f"swls-{tag}", [f"sl{tag}{i}" for i in range(LANES)]
@@ -93,8 +103,11 @@ def net():
             ip("link", "set", peer, "netns", ns)
             ip("addr", "add", f"{node_ip(i)}/24", "dev", name)
             ip("link", "set", name, "up")
+            ethtool("-K", name, "gro", "on")
+            pathlib.Path(f"/proc/sys/net/ipv4/conf/{name}/rp_filter").write_text("2\n")
             ip("netns", "exec", ns, "ip", "addr", "add", f"10.214.{i}.2/24", "dev", peer)
             ip("netns", "exec", ns, "ip", "link", "set", peer, "up")
+            ip("netns", "exec", ns, "ethtool", "-K", peer, "tso", "off")
         ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
         yield ns, ifs
     finally:
@@ -184,6 +197,21 @@ def setup(sw, tmp_path, net):
     return ns, d, secret, tree, gpus
 
 
+def nic_checks(node, wrong: int | None = None) -> list[dict]:
+    """Waits until every identified data connection's NIC was checked (on its own NIC, or on
+    another for lane `wrong`: all of that lane's); none unknown (every veth names itself)."""
+
+    def checked():
+        lanes = node.status()["lanes"]
+        done = all(l["data_connections"] >= 2 for l in lanes) and all(
+            l["data_connections_wrong_nic"] == (l["data_connections"] if l["lane"] == wrong else 0) for l in lanes)
+        return lanes if done else None
+
+    lanes = wait_for(checked, f"every lane's connections checked, lane {wrong}'s on another NIC", diag=node.describe)
+    assert [l["data_connections_nic_unknown"] for l in lanes] == [0] * LANES, lanes
+    return lanes
+
+
 def check_lanes(node, gpus: list[str], ifs: list[str], memory: str) -> list[dict]:
     """The four lanes as planned: GPU i with NIC i (PIX), on NIC i's address, each with its
     two data connections accepted there; receivers on their NIC's NUMA node's CPU."""
@@ -221,6 +249,8 @@ def test_four_gpu_lanes_on_four_veth_pairs_with_the_fake_libcuda(sw, setup, net)
     node = serve_lanes(sw, src, secret, tree, "cuda", env)
     wait_ready(node)
     check_lanes(node, gpus, ifs, "cuda")
+    nic_checks(node)
+    assert "came in on another NIC" not in node.stderr_text()
     assert "4 GPUs, one lane each" in node.status()["mode"]["reason"]
 
     # Four trainers, each on another GPU, each named another way.
@@ -256,10 +286,18 @@ def test_four_host_lanes_place_streams_by_gpu_and_memory_by_numa_node(sw, setup,
     ns, d, secret, tree, gpus = setup
     ifs = net[1]
     expected = expected_crcs(d)
+    # The source reaches lane 3's address through lane 2's veth (on-link: the node answers ARP
+    # for any of its addresses on any interface).
+    ip("netns", "exec", ns, "ip", "route", "add", f"{node_ip(3)}/32", "dev", f"sp{ifs[2][2:-1]}2")
     src = source_in(sw, ns, d, secret, "--fault-wrong-lane", "1")
     node = serve_lanes(sw, src, secret, tree, "host", {})
     wait_ready(node)
     lanes = check_lanes(node, gpus, ifs, "host")
+    nic_checks(node, wrong=3)
+    assert metric(node.admin, 'shardwire_lane_data_connections_wrong_nic_total{lane="3"}') >= 2
+    assert metric(node.admin, 'shardwire_lane_data_connections_wrong_nic_total{lane="2"}') == 0
+    warned = [line for line in node.stderr_text().splitlines() if "came in on another NIC" in line]
+    assert warned and all("lane=3" in line and f"nic={ifs[3]}" in line and f"arrived_on={ifs[2]}" in line for line in warned), warned
     have = numa_nodes()
     for l in lanes:
         placed = l["numa_node"] in have

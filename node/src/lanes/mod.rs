@@ -29,6 +29,11 @@ pub struct LaneStats {
     pub data_connections: AtomicU64,
     /// Data connections refused: announced for this lane, arrived on another address.
     pub wrong_lane: AtomicU64,
+    /// Data connections identified on the lane's address that came in on another NIC than
+    /// the lane's (received all the same; [`crate::ingress`]).
+    pub wrong_nic: AtomicU64,
+    /// Data connections whose NIC could not be told ([`crate::ingress`]).
+    pub nic_unknown: AtomicU64,
 }
 
 /// A lane as the node runs it.
@@ -184,47 +189,51 @@ impl Lanes {
     }
 }
 
+/// A lane for tests: lane `id`, on the GPU at bus id `gpu` (a fake UUID) or none, without a
+/// NIC, listening at 127.0.0.1.
 #[cfg(test)]
-mod tests {
-    use super::plan::LaneGpu;
-    use super::*;
-
-    fn lane(id: u32, gpu: Option<&str>) -> Arc<Lane> {
-        Arc::new(Lane {
-            spec: LaneSpec {
-                id,
-                gpu: gpu.map(|g| LaneGpu {
-                    pci: g.parse().unwrap(),
-                    uuid: Some(
-                        format!("GPU-5a77fa4e-0000-40{}-8000-000000000000", &g[5..7])
-                            .parse()
-                            .unwrap(),
-                    ),
-                    ordinal: Some(id as i32),
-                }),
-                nic: None,
-                nic_named: false,
-                nic_pci: None,
-                distance: None,
-                numa_node: None,
-                cpus: Vec::new(),
-                numa_bind: None,
-                queues: Vec::new(),
-                data_listen: "127.0.0.1:0".parse().unwrap(),
-                awaits_nic_address: false,
-                devmem_memory: 1 << 20,
-                why: String::new(),
-                warn: false,
-                warn_at_nic_address: false,
-            },
-            data_addr: "127.0.0.1:1".parse().unwrap(),
-            cuda: None,
+pub(crate) fn test_lane(id: u32, gpu: Option<&str>) -> Arc<Lane> {
+    Arc::new(Lane {
+        spec: LaneSpec {
+            id,
+            gpu: gpu.map(|g| plan::LaneGpu {
+                pci: g.parse().unwrap(),
+                uuid: Some(
+                    format!("GPU-5a77fa4e-0000-40{}-8000-000000000000", &g[5..7])
+                        .parse()
+                        .unwrap(),
+                ),
+                ordinal: Some(id as i32),
+            }),
+            nic: None,
+            nic_named: false,
+            nic_pci: None,
+            distance: None,
+            numa_node: None,
             cpus: Vec::new(),
             numa_bind: None,
-            notes: Vec::new(),
-            stats: LaneStats::default(),
-        })
-    }
+            queues: Vec::new(),
+            data_listen: "127.0.0.1:0".parse().unwrap(),
+            awaits_nic_address: false,
+            devmem_memory: 1 << 20,
+            why: String::new(),
+            warn: false,
+            warn_at_nic_address: false,
+        },
+        data_addr: "127.0.0.1:1".parse().unwrap(),
+        cuda: None,
+        cpus: Vec::new(),
+        numa_bind: None,
+        notes: Vec::new(),
+        stats: LaneStats::default(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use super::test_lane as lane;
 
     /// A lane that awaited its NIC's address is shown at it once the NIC has one, and no
     /// longer warns for its address. Before, `/v1/status` showed the wildcard, the warning

@@ -482,24 +482,9 @@ mod tests {
 
     /// A lane with no GPU or NIC on 127.0.0.1, its receivers to be pinned to CPUs 2 and 3.
     fn spec() -> LaneSpec {
-        LaneSpec {
-            id: 0,
-            gpu: None,
-            nic: None,
-            nic_named: false,
-            nic_pci: None,
-            distance: None,
-            numa_node: None,
-            cpus: vec![2, 3],
-            numa_bind: None,
-            queues: Vec::new(),
-            data_listen: "127.0.0.1:0".parse().unwrap(),
-            awaits_nic_address: false,
-            devmem_memory: 1 << 20,
-            why: String::new(),
-            warn: false,
-            warn_at_nic_address: false,
-        }
+        let mut spec = crate::lanes::test_lane(0, None).spec.clone();
+        spec.cpus = vec![2, 3];
+        spec
     }
 
     #[test]
@@ -580,23 +565,9 @@ mod tests {
             "{}",
             left_out[0].reason
         );
-        let a100 = LaneSpec {
-            gpu: Some(crate::lanes::plan::LaneGpu {
-                pci: "0000:11:00.0".parse().unwrap(),
-                uuid: None,
-                ordinal: Some(1),
-            }),
-            ..spec()
-        };
-        let lane = Arc::new(Lane {
-            spec: a100,
-            data_addr: "127.0.0.1:1".parse().unwrap(),
-            cuda: None,
-            cpus: Vec::new(),
-            numa_bind: None,
-            notes: Vec::new(),
-            stats: LaneStats::default(),
-        });
+        let mut a100 = Arc::into_inner(crate::lanes::test_lane(0, Some("0000:11:00.0"))).unwrap();
+        a100.spec.cpus = vec![2, 3];
+        let lane = Arc::new(a100);
         let lanes = Lanes::new(vec![lane], left_out);
         let e = lanes.by_device("0000:10:00.0").unwrap_err().to_string();
         let want = "left out: 0000:10:00.0: the CUDA probe left it out: compute capability 7.5";

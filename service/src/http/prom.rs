@@ -140,6 +140,16 @@ const FAMILIES: &[(&str, &str, &str)] = &[
         "Data connections refused because they arrived on another address than their lane's (another NIC), by lane",
     ),
     (
+        "counter",
+        "shardwire_lane_data_connections_wrong_nic_total",
+        "Data connections identified on each lane's address that came in on another NIC than the lane's (received all the same)",
+    ),
+    (
+        "counter",
+        "shardwire_lane_data_connections_nic_unknown_total",
+        "Data connections of each lane whose incoming NIC could not be told (the NIC gives no NAPI ids)",
+    ),
+    (
         "gauge",
         "shardwire_lane_streams",
         "Open streams on each lane",
@@ -376,6 +386,10 @@ fn record(st: &Status, totals: &mut Totals) {
             .absolute(l.data_connections);
         metrics::counter!("shardwire_lane_data_connections_refused_total", &labels)
             .absolute(l.data_connections_refused);
+        metrics::counter!("shardwire_lane_data_connections_wrong_nic_total", &labels)
+            .absolute(l.data_connections_wrong_nic);
+        metrics::counter!("shardwire_lane_data_connections_nic_unknown_total", &labels)
+            .absolute(l.data_connections_nic_unknown);
         metrics::gauge!("shardwire_lane_streams", &labels).set(l.streams as f64);
         metrics::gauge!("shardwire_lane_pool_bytes_reserved", &labels).set(l.pool_reserved as f64);
     }
