@@ -8,9 +8,12 @@
 //! filtering, a source whose only route to a lane's subnet is its default gateway brings the
 //! lane's traffic in on the management NIC, addressed to the lane.
 //!
-//! Not every device marks an id: loopback, a veth without GRO (or whose peer sends it TSO
-//! frames), a kernel without `CONFIG_NET_RX_BUSY_POLL` leave 0, and then the NIC is not known
-//! ([`Ingress::NoNapiId`]). The drivers of real NICs receive through NAPI.
+//! Not every device marks an id: loopback and a veth without GRO (or whose peer sends it TSO
+//! frames) leave 0, and then the NIC is not known ([`Ingress::NoNapiId`]); the drivers of real
+//! NICs receive through NAPI. A kernel built without `CONFIG_NET_RX_BUSY_POLL` has no such
+//! option at all ([`Ingress::NoBusyPoll`]). A packet a stacked device (VLAN, macvlan, bond)
+//! receives keeps the id of the lower device it came in on: the caller compares against
+//! those too ([`crate::ifaddr::lower_ifindexes`]).
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
@@ -30,6 +33,9 @@ pub enum Ingress {
     Nic(u32),
     /// The socket carries no NAPI id (see the module doc): the device is not known.
     NoNapiId,
+    /// This kernel has no `SO_INCOMING_NAPI_ID` (ENOPROTOOPT: built without
+    /// `CONFIG_NET_RX_BUSY_POLL`).
+    NoBusyPoll,
     /// The kernel no longer has the NAPI instance of this id (its device went, or was set up
     /// anew, since the packet came).
     NapiGone(u32),
@@ -82,7 +88,12 @@ impl IngressProbe {
 
     /// Where the TCP socket `sock` came in.
     pub fn ingress(&mut self, sock: BorrowedFd<'_>) -> Result<Ingress, IngressError> {
-        let napi = crate::sys::incoming_napi_id(sock).map_err(IngressError::Sockopt)?;
+        let napi = match crate::sys::incoming_napi_id(sock) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => {
+                return Ok(Ingress::NoBusyPoll);
+            }
+            got => got.map_err(IngressError::Sockopt)?,
+        };
         if napi == 0 {
             return Ok(Ingress::NoNapiId);
         }

@@ -805,8 +805,10 @@ impl NetdevClient {
     }
 
     /// `napi-get` of one NAPI instance by its id (what `SO_INCOMING_NAPI_ID` reads off a
-    /// socket); `None` when the kernel has no instance of that id (ENOENT: its device went,
-    /// or was reconfigured and its instances were made anew).
+    /// socket); `None` when the kernel has no instance of that id (its device went, or was
+    /// reconfigured and its instances were made anew): ENOENT, or EINVAL from Linux 6.8,
+    /// whose `napi-get` answered an unknown id so (the request has no other attribute to be
+    /// invalid).
     pub fn napi_get(&mut self, id: u32) -> Result<Option<NapiInfo>, NetdevError> {
         let mut req = netdev::Request::new().op_napi_get_do();
         req.encode().push_id(id);
@@ -816,7 +818,7 @@ impl NetdevClient {
             Ok(())
         });
         match got {
-            Err(e) if e.errno() == Some(libc::ENOENT) => Ok(None),
+            Err(e) if matches!(e.errno(), Some(libc::ENOENT | libc::EINVAL)) => Ok(None),
             Err(e) => Err(e),
             Ok(()) => Ok(out),
         }

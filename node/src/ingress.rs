@@ -4,19 +4,25 @@
 //! source whose only route to a lane's subnet is its default gateway brings the lane's
 //! traffic in on the management NIC, and loose reverse-path filtering lets it in). The NIC
 //! is read off the socket ([`shardwire_devmem::ingress`]: its NAPI id and netdev's
-//! `napi-get`).
+//! `napi-get`); a packet for a stacked lane NIC (VLAN, macvlan, bond) comes in on a device
+//! under it, which counts as the lane's.
 //!
-//! A connection on another NIC is still received (its bytes are as good; only its path is
-//! not the lane's): it is counted on its lane (`data_connections_wrong_nic`), and a warning
-//! names both NICs, at most one per lane and source host every [`warn_limit::EVERY`]. Where
-//! the NIC cannot be told (loopback, a device without NAPI ids, an interface the lane names
-//! that this host lacks) the connection is counted as `data_connections_nic_unknown`, and
-//! the reason is logged once per lane. A lane without a NIC (a host lane on a data address)
-//! is not checked.
+//! Only a connection dialled at an address of its lane's NIC is checked: a lane on another
+//! address (the one lane of a one-GPU node on the control connection's address, lanes
+//! sharing one `data_listen`, a lane whose NIC had no address yet) takes its connections on
+//! whatever NIC that address is reached through, by design. A checked connection is
+//! received whatever the verdict (its bytes are as good; only its path is not the lane's)
+//! and counted on its lane: `data_connections_on_nic`, or `data_connections_wrong_nic`, with
+//! a warning naming both NICs at most once per lane and source host every
+//! [`warn_limit::EVERY`], or `data_connections_nic_unknown` where the NIC cannot be told
+//! (the NIC gives no NAPI ids: loopback, a veth without GRO; a kernel without them; an
+//! interface the lane names that this host lacks), with the reason logged once per lane.
+//! The check runs on a blocking thread, off the accept loop (it may ask netlink).
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::fd::AsFd;
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -39,27 +45,33 @@ pub enum Verdict {
     Unknown(String),
 }
 
-/// The verdict on a connection of a lane on `nic`, from the lookup of that NIC's ifindex and
-/// the probe's answer (`name_of` names another NIC by its ifindex). Pure.
+/// The verdict on a connection of a lane on `nic`, from the lookup of that NIC's ifindex
+/// (with those of the devices it is stacked on) and the probe's answer (`name_of` names
+/// another NIC by its ifindex). Pure.
 pub fn verdict(
     nic: &str,
-    lane_ifindex: Result<u32, IfAddrError>,
+    lane_nic: Result<(u32, Vec<u32>), IfAddrError>,
     got: Result<Ingress, IngressError>,
     name_of: impl Fn(u32) -> Option<String>,
 ) -> Verdict {
-    let lane_ifindex = match lane_ifindex {
-        Ok(i) => i,
+    let (ifindex, lowers) = match lane_nic {
+        Ok(l) => l,
         Err(e) => return Verdict::Unknown(format!("the lane's NIC {nic}: {e}")),
     };
     match got {
-        Ok(Ingress::Nic(i)) if i == lane_ifindex => Verdict::OnLaneNic,
+        Ok(Ingress::Nic(i)) if i == ifindex || lowers.contains(&i) => Verdict::OnLaneNic,
         Ok(Ingress::Nic(i)) => {
             Verdict::OtherNic(name_of(i).unwrap_or_else(|| format!("ifindex {i}")))
         }
         Ok(Ingress::NoNapiId) => Verdict::Unknown(format!(
             "its connections carry no NAPI id ({nic} receives without NAPI ids: loopback, a \
-             veth without GRO, a kernel without CONFIG_NET_RX_BUSY_POLL)"
+             veth without GRO)"
         )),
+        Ok(Ingress::NoBusyPoll) => Verdict::Unknown(
+            "this kernel has no SO_INCOMING_NAPI_ID (it was built without \
+             CONFIG_NET_RX_BUSY_POLL)"
+                .to_owned(),
+        ),
         Ok(Ingress::NapiGone(id)) => Verdict::Unknown(format!(
             "the NAPI instance {id} a connection came in on is gone (its NIC was reconfigured \
              or removed)"
@@ -89,9 +101,39 @@ impl Default for IngressCheck {
 }
 
 impl IngressCheck {
-    /// Checks `sock`, a data connection of `lane` from `peer` (of source `source`), counts
-    /// the outcome on the lane and logs it (see the module doc); returns the verdict, `None`
-    /// for a lane without a NIC.
+    /// Checks `sock`, a data connection of `lane` from `peer` (of source `source`), on a
+    /// blocking thread of the runtime where there is one (else here), with a duplicate of
+    /// its fd; see the module doc.
+    pub fn spawn(
+        self: &Arc<Self>,
+        lane: &Arc<Lane>,
+        sock: &TcpStream,
+        peer: SocketAddr,
+        source: &str,
+    ) {
+        if lane.spec.nic.is_none() {
+            return;
+        }
+        let sock = match sock.try_clone() {
+            Ok(s) => s,
+            Err(e) => {
+                let why = format!("duplicating the connection's fd to check it: {e}");
+                return self.count(lane, peer, source, &Verdict::Unknown(why));
+            }
+        };
+        let (check, lane, source) = (Arc::clone(self), Arc::clone(lane), source.to_owned());
+        let run = move || {
+            check.check(&lane, &sock, peer, &source);
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(run)),
+            Err(_) => run(),
+        }
+    }
+
+    /// Checks `sock` now, counts the outcome on the lane and logs it; returns the verdict,
+    /// `None` for a connection not checked (a lane without a NIC, or not dialled at an
+    /// address of its NIC).
     pub fn check(
         &self,
         lane: &Lane,
@@ -100,10 +142,24 @@ impl IngressCheck {
         source: &str,
     ) -> Option<Verdict> {
         let nic = lane.spec.nic.as_deref()?;
+        let local = sock.local_addr().ok()?.ip().to_canonical();
+        if ifaddr::ipv4(nic).ok().flatten().map(IpAddr::V4) != Some(local) {
+            return None;
+        }
         let got = self.probe.lock().expect("poisoned").ingress(sock.as_fd());
-        let v = verdict(nic, ifaddr::ifindex(nic), got, ifaddr::name_of);
-        match &v {
-            Verdict::OnLaneNic => {}
+        let lane_nic = ifaddr::ifindex(nic).map(|i| (i, ifaddr::lower_ifindexes(nic)));
+        let v = verdict(nic, lane_nic, got, ifaddr::name_of);
+        self.count(lane, peer, source, &v);
+        Some(v)
+    }
+
+    /// Counts `v` on `lane` and logs it (see the module doc).
+    fn count(&self, lane: &Lane, peer: SocketAddr, source: &str, v: &Verdict) {
+        let nic = lane.spec.nic.as_deref().unwrap_or("-");
+        match v {
+            Verdict::OnLaneNic => {
+                lane.stats.on_nic.fetch_add(1, Ordering::Relaxed);
+            }
             Verdict::OtherNic(other) => {
                 lane.stats.wrong_nic.fetch_add(1, Ordering::Relaxed);
                 let key = (lane.id(), matcher::host_of(peer.ip()));
@@ -131,7 +187,6 @@ impl IngressCheck {
                 }
             }
         }
-        Some(v)
     }
 
     /// Says the wrong-NIC lines left out in windows now over.
@@ -162,37 +217,60 @@ mod tests {
     #[test]
     fn the_lane_nic_passes_and_another_is_named() {
         assert_eq!(
-            verdict("eth1", Ok(4), Ok(Ingress::Nic(4)), name),
+            verdict("eth1", Ok((4, vec![])), Ok(Ingress::Nic(4)), name),
             Verdict::OnLaneNic
         );
         assert_eq!(
-            verdict("eth1", Ok(4), Ok(Ingress::Nic(3)), name),
+            verdict("eth1", Ok((4, vec![])), Ok(Ingress::Nic(3)), name),
             Verdict::OtherNic("eth0".into())
+        );
+        // A stacked lane NIC (a VLAN or bond on eth0): packets come in on its lower device.
+        assert_eq!(
+            verdict("bond0", Ok((7, vec![3, 5])), Ok(Ingress::Nic(3)), name),
+            Verdict::OnLaneNic
         );
         // Another NIC that went since: named by its index.
         assert_eq!(
-            verdict("eth1", Ok(4), Ok(Ingress::Nic(9)), name),
+            verdict("eth1", Ok((4, vec![])), Ok(Ingress::Nic(9)), name),
             Verdict::OtherNic("ifindex 9".into())
         );
     }
 
-    /// Over a real loopback connection: a lane without a NIC is not checked; one on `lo`, or
-    /// on a NIC this host lacks, counts the connection as unknown, not as on another NIC.
+    /// Over real loopback connections: a lane on `lo` counts one dialled at lo's address as
+    /// unknown (no NAPI id), not as on another NIC; a lane without a NIC, on a NIC this host
+    /// lacks, or a connection dialled at another address than its NIC's (127.0.0.2: lo's
+    /// address is 127.0.0.1) is not checked.
     #[test]
-    fn loopback_connections_are_counted_unknown_on_their_lane() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let _dialled = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (sock, peer) = listener.accept().unwrap();
-        let check = IngressCheck::default();
-        let mut lane = std::sync::Arc::into_inner(crate::lanes::test_lane(0, None)).unwrap();
+    fn only_connections_at_their_nics_address_are_checked() {
+        let accept = |at: &str| {
+            let listener = std::net::TcpListener::bind(at).unwrap();
+            let dialled = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (sock, peer) = listener.accept().unwrap();
+            (sock, peer, dialled)
+        };
+        let (sock, peer, _d1) = accept("127.0.0.1:0");
+        let check = Arc::new(IngressCheck::default());
+        let mut lane = Arc::into_inner(crate::lanes::test_lane(0, None)).unwrap();
         assert_eq!(check.check(&lane, &sock, peer, "src:1"), None);
-        for nic in ["lo", "sw-no-such0"] {
-            lane.spec.nic = Some(nic.into());
-            let v = check.check(&lane, &sock, peer, "src:1");
-            assert!(matches!(v, Some(Verdict::Unknown(_))), "{nic}: {v:?}");
-        }
-        assert_eq!(lane.stats.nic_unknown.load(Ordering::Relaxed), 2);
-        assert_eq!(lane.stats.wrong_nic.load(Ordering::Relaxed), 0);
+        lane.spec.nic = Some("sw-no-such0".into());
+        assert_eq!(check.check(&lane, &sock, peer, "src:1"), None);
+        lane.spec.nic = Some("lo".into());
+        let v = check.check(&lane, &sock, peer, "src:1");
+        assert!(
+            matches!(v, Some(Verdict::Unknown(ref why)) if why.contains("no NAPI id")),
+            "{v:?}"
+        );
+        let (other, peer2, _d2) = accept("127.0.0.2:0");
+        assert_eq!(check.check(&lane, &other, peer2, "src:1"), None);
+        let counted = |l: &Lane| {
+            let s = &l.stats;
+            [&s.on_nic, &s.wrong_nic, &s.nic_unknown].map(|c| c.load(Ordering::Relaxed))
+        };
+        assert_eq!(counted(&lane), [0, 0, 1]);
+        // The same through `spawn`, outside a runtime: checked at once, on this thread.
+        let lane = Arc::new(lane);
+        check.spawn(&lane, &sock, peer, "src:1");
+        assert_eq!(counted(&lane), [0, 0, 2]);
     }
 
     #[test]
@@ -201,13 +279,25 @@ mod tests {
             Verdict::Unknown(why) => why,
             v => panic!("{v:?}"),
         };
-        let why = unknown(verdict("lo", Ok(1), Ok(Ingress::NoNapiId), name));
+        let why = unknown(verdict("lo", Ok((1, vec![])), Ok(Ingress::NoNapiId), name));
         assert!(
             why.contains("no NAPI id") && why.contains("lo receives"),
             "{why}"
         );
-        let why = unknown(verdict("eth1", Ok(4), Ok(Ingress::NapiGone(700)), name));
+        let why = unknown(verdict(
+            "eth1",
+            Ok((4, vec![])),
+            Ok(Ingress::NapiGone(700)),
+            name,
+        ));
         assert!(why.contains("NAPI instance 700"), "{why}");
+        let why = unknown(verdict(
+            "eth1",
+            Ok((4, vec![])),
+            Ok(Ingress::NoBusyPoll),
+            name,
+        ));
+        assert!(why.contains("CONFIG_NET_RX_BUSY_POLL"), "{why}");
         let missing = Err(IfAddrError::NoSuchInterface("eth9".into()));
         let why = unknown(verdict("eth9", missing, Ok(Ingress::Nic(3)), name));
         assert!(
@@ -215,7 +305,7 @@ mod tests {
             "{why}"
         );
         let sockopt = Err(IngressError::Sockopt(std::io::Error::other("bad fd")));
-        let why = unknown(verdict("eth1", Ok(4), sockopt, name));
+        let why = unknown(verdict("eth1", Ok((4, vec![])), sockopt, name));
         assert!(why.contains("SO_INCOMING_NAPI_ID"), "{why}");
     }
 }

@@ -564,6 +564,7 @@ impl Node {
                     bytes_received: bytes,
                     data_connections: l.stats.data_connections.load(Ordering::Relaxed),
                     data_connections_refused: l.stats.wrong_lane.load(Ordering::Relaxed),
+                    data_connections_on_nic: l.stats.on_nic.load(Ordering::Relaxed),
                     data_connections_wrong_nic: l.stats.wrong_nic.load(Ordering::Relaxed),
                     data_connections_nic_unknown: l.stats.nic_unknown.load(Ordering::Relaxed),
                     why,

@@ -7,7 +7,8 @@
 //! (on the announced lane's address, else refused and counted) starts a receiver on that
 //! lane's path: its GPU, its own binding if it has one, its CPUs. A connection reads through
 //! its own lane's binding only. The NIC each identified connection came in on is checked
-//! against its lane's ([`crate::ingress`]: counted and logged, received anyway). What any peer can cause (connections nobody announces:
+//! against its lane's on a blocking thread ([`crate::ingress`]: counted and logged, received
+//! anyway). What any peer can cause (connections nobody announces:
 //! refused, evicted, swept) is logged at most once per kind and peer host every
 //! [`warn_limit::EVERY`], with the lines left out counted.
 
@@ -172,7 +173,7 @@ pub struct DataPlane {
     /// The lines about unidentified data connections, by kind and peer host.
     noise: Mutex<WarnLimit<(Unidentified, IpAddr)>>,
     /// Checks the NIC each identified connection came in on against its lane's.
-    ingress: IngressCheck,
+    ingress: Arc<IngressCheck>,
     rx: RwLock<Bindings>,
     /// The emulated host whose NICs the `devmem-sim` bindings are on.
     emu: Arc<EmuHost>,
@@ -206,7 +207,7 @@ impl DataPlane {
             lanes,
             matcher: Mutex::default(),
             noise: Mutex::new(WarnLimit::new(warn_limit::EVERY)),
-            ingress: IngressCheck::default(),
+            ingress: Arc::default(),
             rx: RwLock::new(rx.into_iter().collect()),
             emu,
             flows: Mutex::default(),
@@ -479,7 +480,7 @@ impl DataPlane {
         // Counted up only (a Prometheus counter, `_total`): a session that starts over counts
         // its connections again. The connections open now are the lane's live `flows`.
         lane.stats.data_connections.fetch_add(1, Ordering::Relaxed);
-        self.ingress.check(lane, &sock, peer, &link.addr);
+        self.ingress.spawn(lane, &sock, peer, &link.addr);
         let flow = Arc::new(FlowStats::default());
         self.add_flow(Flow {
             source: link.addr.clone(),

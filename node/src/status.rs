@@ -154,11 +154,14 @@ pub struct LaneStatus {
     pub data_connections: u64,
     /// Data connections refused: announced for it, arrived on another address.
     pub data_connections_refused: u64,
-    /// Data connections identified on it that came in on another NIC than its own (received
+    /// Data connections dialled at its NIC's address that came in on its NIC (checked only
+    /// on a lane on its NIC's address).
+    pub data_connections_on_nic: u64,
+    /// Data connections dialled at its NIC's address that came in on another NIC (received
     /// all the same: the routes to its address do not follow its NIC).
     pub data_connections_wrong_nic: u64,
-    /// Data connections whose NIC could not be told (the NIC gives no NAPI ids: loopback, a
-    /// veth without GRO; said once in the log with the reason).
+    /// Data connections dialled at its NIC's address whose NIC could not be told (no NAPI
+    /// ids: loopback, a veth without GRO, a kernel without them; the reason is logged once).
     pub data_connections_nic_unknown: u64,
     /// Why this pairing and address.
     pub why: String,

@@ -198,17 +198,19 @@ def setup(sw, tmp_path, net):
 
 
 def nic_checks(node, wrong: int | None = None) -> list[dict]:
-    """Waits until every identified data connection's NIC was checked (on its own NIC, or on
-    another for lane `wrong`: all of that lane's); none unknown (every veth names itself)."""
+    """Waits until every identified data connection's NIC was checked (every lane is on its
+    NIC's address), then asserts: lane `wrong`'s all came in on another NIC, every other
+    lane's on its own, none unknown (every veth names itself)."""
 
     def checked():
         lanes = node.status()["lanes"]
-        done = all(l["data_connections"] >= 2 for l in lanes) and all(
-            l["data_connections_wrong_nic"] == (l["data_connections"] if l["lane"] == wrong else 0) for l in lanes)
-        return lanes if done else None
+        counts = [(l["data_connections_on_nic"], l["data_connections_wrong_nic"], l["data_connections_nic_unknown"]) for l in lanes]
+        done = all(l["data_connections"] >= 2 and sum(c) == l["data_connections"] for l, c in zip(lanes, counts))
+        return (lanes, counts) if done else None
 
-    lanes = wait_for(checked, f"every lane's connections checked, lane {wrong}'s on another NIC", diag=node.describe)
-    assert [l["data_connections_nic_unknown"] for l in lanes] == [0] * LANES, lanes
+    lanes, counts = wait_for(checked, "every lane's connections checked", diag=node.describe)
+    want = [(0, l["data_connections"], 0) if l["lane"] == wrong else (l["data_connections"], 0, 0) for l in lanes]
+    assert counts == want, lanes
     return lanes
 
 
@@ -286,9 +288,12 @@ def test_four_host_lanes_place_streams_by_gpu_and_memory_by_numa_node(sw, setup,
     ns, d, secret, tree, gpus = setup
     ifs = net[1]
     expected = expected_crcs(d)
-    # The source reaches lane 3's address through lane 2's veth (on-link: the node answers ARP
-    # for any of its addresses on any interface).
-    ip("netns", "exec", ns, "ip", "route", "add", f"{node_ip(3)}/32", "dev", f"sp{ifs[2][2:-1]}2")
+    # The source reaches lane 3's address through lane 2's veth (on-link, with lane 2's veth's
+    # MAC for it: whatever the host's arp_ignore).
+    via = f"sp{ifs[2][2:-1]}2"
+    mac = pathlib.Path(f"/sys/class/net/{ifs[2]}/address").read_text().strip()
+    ip("netns", "exec", ns, "ip", "route", "add", f"{node_ip(3)}/32", "dev", via)
+    ip("netns", "exec", ns, "ip", "neigh", "replace", node_ip(3), "lladdr", mac, "dev", via, "nud", "permanent")
     src = source_in(sw, ns, d, secret, "--fault-wrong-lane", "1")
     node = serve_lanes(sw, src, secret, tree, "host", {})
     wait_ready(node)

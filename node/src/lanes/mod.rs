@@ -29,10 +29,14 @@ pub struct LaneStats {
     pub data_connections: AtomicU64,
     /// Data connections refused: announced for this lane, arrived on another address.
     pub wrong_lane: AtomicU64,
-    /// Data connections identified on the lane's address that came in on another NIC than
-    /// the lane's (received all the same; [`crate::ingress`]).
+    /// Data connections dialled at its NIC's address that came in on its NIC
+    /// ([`crate::ingress`]).
+    pub on_nic: AtomicU64,
+    /// Data connections dialled at its NIC's address that came in on another NIC (received
+    /// all the same; [`crate::ingress`]).
     pub wrong_nic: AtomicU64,
-    /// Data connections whose NIC could not be told ([`crate::ingress`]).
+    /// Data connections dialled at its NIC's address whose NIC could not be told
+    /// ([`crate::ingress`]).
     pub nic_unknown: AtomicU64,
 }
 

@@ -230,6 +230,7 @@ mod tests {
             bytes_received: 0,
             data_connections: 0,
             data_connections_refused: 0,
+            data_connections_on_nic: 0,
             data_connections_wrong_nic: 0,
             data_connections_nic_unknown: 0,
             why: String::new(),

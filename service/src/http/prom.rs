@@ -141,13 +141,18 @@ const FAMILIES: &[(&str, &str, &str)] = &[
     ),
     (
         "counter",
+        "shardwire_lane_data_connections_on_nic_total",
+        "Data connections dialled at each lane's NIC address that came in on that NIC",
+    ),
+    (
+        "counter",
         "shardwire_lane_data_connections_wrong_nic_total",
-        "Data connections identified on each lane's address that came in on another NIC than the lane's (received all the same)",
+        "Data connections dialled at each lane's NIC address that came in on another NIC (received all the same)",
     ),
     (
         "counter",
         "shardwire_lane_data_connections_nic_unknown_total",
-        "Data connections of each lane whose incoming NIC could not be told (the NIC gives no NAPI ids)",
+        "Data connections dialled at each lane's NIC address whose incoming NIC could not be told (the reason is logged once per lane)",
     ),
     (
         "gauge",
@@ -386,6 +391,8 @@ fn record(st: &Status, totals: &mut Totals) {
             .absolute(l.data_connections);
         metrics::counter!("shardwire_lane_data_connections_refused_total", &labels)
             .absolute(l.data_connections_refused);
+        metrics::counter!("shardwire_lane_data_connections_on_nic_total", &labels)
+            .absolute(l.data_connections_on_nic);
         metrics::counter!("shardwire_lane_data_connections_wrong_nic_total", &labels)
             .absolute(l.data_connections_wrong_nic);
         metrics::counter!("shardwire_lane_data_connections_nic_unknown_total", &labels)
