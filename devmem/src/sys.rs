@@ -490,8 +490,9 @@ pub(crate) fn rcvlowat(fd: BorrowedFd<'_>) -> io::Result<usize> {
 const SO_INCOMING_NAPI_ID: libc::c_int = 56;
 
 /// `getsockopt(SO_INCOMING_NAPI_ID)`: the id of the NAPI instance that received the socket's
-/// last packet; 0 when there was none with an id (loopback, a device without NAPI, a kernel
-/// without `CONFIG_NET_RX_BUSY_POLL`: the kernel turns every non-NAPI value into 0).
+/// last packet; 0 when there was none with an id (loopback, a device without NAPI: the
+/// kernel turns every non-NAPI value into 0). A kernel built without
+/// `CONFIG_NET_RX_BUSY_POLL` has no such option: ENOPROTOOPT.
 pub(crate) fn incoming_napi_id(fd: BorrowedFd<'_>) -> io::Result<u32> {
     let mut v: libc::c_uint = 0;
     let mut len = std::mem::size_of::<libc::c_uint>() as libc::socklen_t;

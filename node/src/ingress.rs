@@ -7,17 +7,19 @@
 //! `napi-get`); a packet for a stacked lane NIC (VLAN, macvlan, bond) comes in on a device
 //! under it, which counts as the lane's.
 //!
-//! Only a connection dialled at an address of its lane's NIC is checked: a lane on another
-//! address (the one lane of a one-GPU node on the control connection's address, lanes
-//! sharing one `data_listen`, a lane whose NIC had no address yet) takes its connections on
-//! whatever NIC that address is reached through, by design. A checked connection is
+//! Only a connection dialled at its lane's NIC's (primary IPv4) address is checked: a lane on
+//! another address (the one lane of a one-GPU node on the control connection's address,
+//! lanes sharing one `data_listen`, a lane whose NIC had no address yet, a lane on a NIC
+//! this host lacks) takes its connections on whatever NIC that address is reached through,
+//! by design. A checked connection is
 //! received whatever the verdict (its bytes are as good; only its path is not the lane's)
 //! and counted on its lane: `data_connections_on_nic`, or `data_connections_wrong_nic`, with
 //! a warning naming both NICs at most once per lane and source host every
 //! [`warn_limit::EVERY`], or `data_connections_nic_unknown` where the NIC cannot be told
-//! (the NIC gives no NAPI ids: loopback, a veth without GRO; a kernel without them; an
-//! interface the lane names that this host lacks), with the reason logged once per lane.
-//! The check runs on a blocking thread, off the accept loop (it may ask netlink).
+//! (the NIC gives no NAPI ids: loopback, a veth without GRO; a kernel without them; a
+//! macvlan or ipvlan NIC whose lower device is in another network namespace, as a pod's
+//! often is), with the reason logged once per lane. The checks run on one thread of their
+//! own, off the accept loop (they ask the kernel, which may wait on its rtnl lock).
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr, TcpStream};
@@ -25,6 +27,7 @@ use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::Ordering;
+use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::time::Instant;
 
 use shardwire_devmem::ifaddr::{self, IfAddrError};
@@ -73,16 +76,145 @@ pub fn verdict(
                 .to_owned(),
         ),
         Ok(Ingress::NapiGone(id)) => Verdict::Unknown(format!(
-            "the NAPI instance {id} a connection came in on is gone (its NIC was reconfigured \
-             or removed)"
+            "netdev knows no NAPI instance {id}, which a connection came in on: its NIC is in \
+             another network namespace (a macvlan or ipvlan lane NIC on a host device), or \
+             was reconfigured or removed since"
         )),
         Err(e) => Verdict::Unknown(e.to_string()),
     }
 }
 
-/// The check, with what it remembers: NAPI ids' devices, the lines said.
-#[derive(Debug)]
+/// Connections at most waiting for the checker thread; past it one is not checked (counted
+/// as unknown, with the reason).
+const QUEUE: usize = 1024;
+
+/// A connection to check, with what its lines name.
+struct Job {
+    lane: Arc<Lane>,
+    /// A duplicate of the connection's fd (closed when checked).
+    sock: TcpStream,
+    peer: SocketAddr,
+    source: String,
+}
+
+/// The checker thread's queue.
+enum Queue {
+    /// No connection was checked yet.
+    NotStarted,
+    /// The thread runs and takes connections here.
+    Running(SyncSender<Job>),
+    /// The thread could not start: why.
+    Failed(String),
+}
+
+/// The check: one thread, started at the first connection to check, that checks them in
+/// turn (its lookups ask the kernel, which may wait on the rtnl lock: never on the accept
+/// loop, and never a thread per connection). The thread ends when this is dropped.
 pub struct IngressCheck {
+    checker: Arc<Checker>,
+    queue: Mutex<Queue>,
+}
+
+impl std::fmt::Debug for IngressCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IngressCheck").finish_non_exhaustive()
+    }
+}
+
+impl Default for IngressCheck {
+    fn default() -> Self {
+        Self {
+            checker: Arc::default(),
+            queue: Mutex::new(Queue::NotStarted),
+        }
+    }
+}
+
+impl IngressCheck {
+    /// Queues `sock`, a data connection of `lane` from `peer` (of source `source`), for the
+    /// checker thread, with a duplicate of its fd; see the module doc. A connection of a lane
+    /// without a NIC is not checked.
+    pub fn spawn(&self, lane: &Arc<Lane>, sock: &TcpStream, peer: SocketAddr, source: &str) {
+        if lane.spec.nic.is_none() {
+            return;
+        }
+        let sock = match sock.try_clone() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(lane = lane.id(), %peer, error = %e,
+                    "cannot duplicate a data connection's fd to check the NIC it came in on; not checked");
+                return;
+            }
+        };
+        let job = Job {
+            lane: Arc::clone(lane),
+            sock,
+            peer,
+            source: source.to_owned(),
+        };
+        let (job, why) = match self.sender() {
+            Ok(tx) => match tx.try_send(job) {
+                Ok(()) => return,
+                Err(TrySendError::Full(job)) => (
+                    job,
+                    format!("{QUEUE} connections wait for the check already"),
+                ),
+                Err(TrySendError::Disconnected(job)) => (job, "the check thread ended".to_owned()),
+            },
+            Err(why) => (job, why),
+        };
+        // The lane's NIC is not looked up here (that may wait): counted whatever its address.
+        let why = format!("this connection was not checked: {why}");
+        self.checker
+            .count(&job.lane, job.peer, &job.source, &Verdict::Unknown(why));
+    }
+
+    /// The checker thread's queue, the thread started if it was not; else why it cannot run.
+    fn sender(&self) -> Result<SyncSender<Job>, String> {
+        let mut queue = self.queue.lock().expect("poisoned");
+        if let Queue::NotStarted = *queue {
+            let (tx, rx) = sync_channel::<Job>(QUEUE);
+            let checker = Arc::clone(&self.checker);
+            let started = std::thread::Builder::new()
+                .name("sw-ingress".into())
+                .spawn(move || {
+                    for j in rx {
+                        checker.check(&j.lane, &j.sock, j.peer, &j.source);
+                    }
+                });
+            *queue = match started {
+                Ok(_) => Queue::Running(tx),
+                Err(e) => Queue::Failed(format!("the check thread cannot start: {e}")),
+            };
+        }
+        match &*queue {
+            Queue::Running(tx) => Ok(tx.clone()),
+            Queue::Failed(why) => Err(why.clone()),
+            Queue::NotStarted => unreachable!("started above"),
+        }
+    }
+
+    /// Checks `sock` now, on this thread ([`Checker::check`]).
+    #[cfg(test)]
+    pub fn check(
+        &self,
+        lane: &Lane,
+        sock: &TcpStream,
+        peer: SocketAddr,
+        source: &str,
+    ) -> Option<Verdict> {
+        self.checker.check(lane, sock, peer, source)
+    }
+
+    /// Says the wrong-NIC lines left out in windows now over.
+    pub fn say_left_out(&self) {
+        self.checker.say_left_out();
+    }
+}
+
+/// What the check remembers: NAPI ids' devices, the lines said.
+#[derive(Debug)]
+struct Checker {
     probe: Mutex<IngressProbe>,
     /// Wrong-NIC lines, by lane and source host.
     noise: Mutex<WarnLimit<(u32, IpAddr)>>,
@@ -90,7 +222,7 @@ pub struct IngressCheck {
     unknown_said: Mutex<BTreeSet<u32>>,
 }
 
-impl Default for IngressCheck {
+impl Default for Checker {
     fn default() -> Self {
         Self {
             probe: Mutex::default(),
@@ -100,37 +232,7 @@ impl Default for IngressCheck {
     }
 }
 
-impl IngressCheck {
-    /// Checks `sock`, a data connection of `lane` from `peer` (of source `source`), on a
-    /// blocking thread of the runtime where there is one (else here), with a duplicate of
-    /// its fd; see the module doc.
-    pub fn spawn(
-        self: &Arc<Self>,
-        lane: &Arc<Lane>,
-        sock: &TcpStream,
-        peer: SocketAddr,
-        source: &str,
-    ) {
-        if lane.spec.nic.is_none() {
-            return;
-        }
-        let sock = match sock.try_clone() {
-            Ok(s) => s,
-            Err(e) => {
-                let why = format!("duplicating the connection's fd to check it: {e}");
-                return self.count(lane, peer, source, &Verdict::Unknown(why));
-            }
-        };
-        let (check, lane, source) = (Arc::clone(self), Arc::clone(lane), source.to_owned());
-        let run = move || {
-            check.check(&lane, &sock, peer, &source);
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn_blocking(run)),
-            Err(_) => run(),
-        }
-    }
-
+impl Checker {
     /// Checks `sock` now, counts the outcome on the lane and logs it; returns the verdict,
     /// `None` for a connection not checked (a lane without a NIC, or not dialled at an
     /// address of its NIC).
@@ -249,7 +351,7 @@ mod tests {
             (sock, peer, dialled)
         };
         let (sock, peer, _d1) = accept("127.0.0.1:0");
-        let check = Arc::new(IngressCheck::default());
+        let check = IngressCheck::default();
         let mut lane = Arc::into_inner(crate::lanes::test_lane(0, None)).unwrap();
         assert_eq!(check.check(&lane, &sock, peer, "src:1"), None);
         lane.spec.nic = Some("sw-no-such0".into());
@@ -267,10 +369,19 @@ mod tests {
             [&s.on_nic, &s.wrong_nic, &s.nic_unknown].map(|c| c.load(Ordering::Relaxed))
         };
         assert_eq!(counted(&lane), [0, 0, 1]);
-        // The same through `spawn`, outside a runtime: checked at once, on this thread.
+        // The same through `spawn`: checked on the check's thread, with a duplicate fd.
         let lane = Arc::new(lane);
         check.spawn(&lane, &sock, peer, "src:1");
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        while counted(&lane) != [0, 0, 2] && Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
         assert_eq!(counted(&lane), [0, 0, 2]);
+        // A lane without a NIC is not queued at all.
+        let bare = crate::lanes::test_lane(1, None);
+        check.spawn(&bare, &sock, peer, "src:1");
+        drop(check);
+        assert_eq!(counted(&bare), [0, 0, 0]);
     }
 
     #[test]
@@ -290,7 +401,10 @@ mod tests {
             Ok(Ingress::NapiGone(700)),
             name,
         ));
-        assert!(why.contains("NAPI instance 700"), "{why}");
+        assert!(
+            why.contains("NAPI instance 700") && why.contains("another network namespace"),
+            "{why}"
+        );
         let why = unknown(verdict(
             "eth1",
             Ok((4, vec![])),

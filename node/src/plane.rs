@@ -7,8 +7,8 @@
 //! (on the announced lane's address, else refused and counted) starts a receiver on that
 //! lane's path: its GPU, its own binding if it has one, its CPUs. A connection reads through
 //! its own lane's binding only. The NIC each identified connection came in on is checked
-//! against its lane's on a blocking thread ([`crate::ingress`]: counted and logged, received
-//! anyway). What any peer can cause (connections nobody announces:
+//! against its lane's on a thread of its own ([`crate::ingress`]: counted and logged,
+//! received anyway). What any peer can cause (connections nobody announces:
 //! refused, evicted, swept) is logged at most once per kind and peer host every
 //! [`warn_limit::EVERY`], with the lines left out counted.
 
@@ -173,7 +173,7 @@ pub struct DataPlane {
     /// The lines about unidentified data connections, by kind and peer host.
     noise: Mutex<WarnLimit<(Unidentified, IpAddr)>>,
     /// Checks the NIC each identified connection came in on against its lane's.
-    ingress: Arc<IngressCheck>,
+    ingress: IngressCheck,
     rx: RwLock<Bindings>,
     /// The emulated host whose NICs the `devmem-sim` bindings are on.
     emu: Arc<EmuHost>,
@@ -207,7 +207,7 @@ impl DataPlane {
             lanes,
             matcher: Mutex::default(),
             noise: Mutex::new(WarnLimit::new(warn_limit::EVERY)),
-            ingress: Arc::default(),
+            ingress: IngressCheck::default(),
             rx: RwLock::new(rx.into_iter().collect()),
             emu,
             flows: Mutex::default(),
