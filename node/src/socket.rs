@@ -624,9 +624,9 @@ impl Conn<'_> {
     }
 
     /// Sends `first` (the answer to a `next`) and, when it is a batch, up to `count - 1`
-    /// batches after it that are ready now (none is waited for) while the stream's leases
-    /// leave room ([`Stream::leases_leave_room`]), each but the last marked `more`, all in
-    /// one write.
+    /// batches after it that are ready now (none is waited for) while the stream's leases,
+    /// each added batch's included, take at most a quarter of its region
+    /// ([`Stream::next_within_room`]), each but the last marked `more`, all in one write.
     fn send_with_ready(
         &mut self,
         s: &Stream,
@@ -640,10 +640,7 @@ impl Conn<'_> {
             let Response::Batch { more, .. } = &mut held else {
                 break;
             };
-            if !s.leases_leave_room() {
-                break;
-            }
-            let Next::Batch(b) = s.next(Some(Duration::ZERO)) else {
+            let Some(b) = s.next_within_room() else {
                 break;
             };
             *more = true;

@@ -76,8 +76,9 @@ pub struct BenchArgs {
     /// 64MiB..1GiB, and at least 2 slabs].
     #[arg(long, value_parser = |s: &str| s.parse::<ByteSize>())]
     stream_memory: Option<ByteSize>,
-    /// Run shardwire and each comparison asked for (--compare-*) in turn this many times, and
-    /// report every ratio and their median (a shared machine is noisy). One lane only.
+    /// Run shardwire and each comparison asked for (--compare-*) in turn this many times (at
+    /// least 1), and report every ratio and their median (a shared machine is noisy). One lane
+    /// only.
     #[arg(long, default_value_t = 1)]
     rounds: u32,
     /// Receive path: host (plain TCP into the slab) or devmem-sim (the devmem path over
@@ -106,6 +107,12 @@ pub(crate) fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
         a.seconds >= 1,
         "--seconds 0 measures nothing (one batch; plain TCP's baselines receive nothing and \
          fail): give at least 1"
+    );
+    anyhow::ensure!(
+        a.rounds >= 1,
+        "--rounds {} runs nothing (it is how many times to run shardwire and each comparison): \
+         give at least 1 (the default)",
+        a.rounds
     );
     // `auto` would probe (and bind) a real devmem-capable NIC for a loopback run.
     anyhow::ensure!(
@@ -277,7 +284,7 @@ fn rounds<P: Fn(Option<usize>, tcp::Recv) -> tcp::TcpRun>(
     (plain, crcs, crc_ways): (&P, &[u32], &[crc::Way]),
 ) -> anyhow::Result<()> {
     let (mut ratios, mut uring_rows, mut crc_rows) = (Vec::new(), Vec::new(), Vec::new());
-    for round in 0..a.rounds.max(1) {
+    for round in 0..a.rounds {
         if a.rounds > 1 {
             outln!("-- round {}", round + 1);
         }
@@ -562,8 +569,10 @@ mod tests {
         // Before: all taken. --rounds ran once with --lanes; --seconds 0 failed after the
         // shardwire run ("received nothing in 0.0 s"); devmem-sim --compare-uring wrote the
         // dataset, ran the node, then blamed an io_uring setup it never tried.
-        let refused: [(&[&str], &str); 4] = [
+        // --rounds 0 ran one round.
+        let refused: [(&[&str], &str); 5] = [
             (&["--lanes", "2", "--rounds", "3"], "drop --rounds 3"),
+            (&["--rounds", "0"], "--rounds 0 runs nothing"),
             (&["--seconds", "0"], "--seconds 0 measures nothing"),
             (
                 &["--mode", "devmem-sim", "--compare-uring"],

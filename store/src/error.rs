@@ -9,6 +9,8 @@
 use std::ops::Range;
 use std::time::Duration;
 
+use crate::url::redacted;
+
 /// What went wrong, as a tag (see [`StoreError::kind`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum StoreErrorKind {
@@ -548,13 +550,43 @@ fn s3_error_code(s: &str) -> Option<String> {
 
 /// The error's message, an S3 XML error body in it cut to its code and message (a
 /// `SignatureDoesNotMatch` body also carries the access key id, the string to sign and the
-/// canonical request, none of which belongs in logs), at most 600 characters.
+/// canonical request, none of which belongs in logs), each URL in it redacted
+/// ([`redact_urls`]), at most 600 characters.
 pub(crate) fn short(e: &object_store::Error) -> String {
-    let s = s3_error_summary(&e.to_string());
+    let s = redact_urls(&s3_error_summary(&e.to_string()));
     match s.char_indices().nth(600) {
         Some((i, _)) => format!("{}...", &s[..i]),
         None => s,
     }
+}
+
+/// `s` with each URL in it (`scheme://` up to a space, `"`, `<` or `>`: none of them is ever
+/// left unescaped in a URL) as [`redacted`] writes it: userinfo as `***@`, a query or fragment
+/// as `?...`. object_store's errors repeat a request's whole URI ("Error performing GET
+/// {uri} ..."), built from the endpoint with its userinfo and query (a basic-auth proxy's
+/// password, a signature), and these messages reach the logs and the nodes (before, as they
+/// came).
+fn redact_urls(s: &str) -> String {
+    let scheme_char = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.');
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(at) = rest.find("://") {
+        let bytes = rest.as_bytes();
+        let scheme = bytes[..at].iter().rev().take_while(|&&b| scheme_char(b));
+        let mut start = at - scheme.count();
+        // A scheme's name starts with a letter (ASCII: `start` stays a char boundary).
+        while start < at && !bytes[start].is_ascii_alphabetic() {
+            start += 1;
+        }
+        let end = rest[at + 3..]
+            .find(|c: char| c.is_whitespace() || matches!(c, '"' | '<' | '>'))
+            .map_or(rest.len(), |i| at + 3 + i);
+        out.push_str(&rest[..start]);
+        out.push_str(&redacted(&rest[start..end]));
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// `s` with an S3 `<Error>...</Error>` body in it replaced by `S3 error CODE: MESSAGE`.
@@ -879,6 +911,38 @@ mod tests {
                 "{msg}"
             );
         }
+    }
+
+    #[test]
+    fn urls_in_an_object_store_error_are_redacted() {
+        // object_store's RetryError names the request's whole URI, userinfo and query
+        // included; reqwest's error repeats it in parentheses.
+        let e = object_store::Error::Generic {
+            store: "S3",
+            source: "Error performing GET http://user:secret@proxy:9000/b/k in 10s, after 3 \
+                     retries - HTTP error: error sending request for url \
+                     (http://user:secret@proxy:9000/b/k?X-Amz-Signature=sig123) \
+                     \"https://u:p@h/x\""
+                .into(),
+        };
+        let err = classify(e, None, at());
+        let msg = err.to_string();
+        // Before, the error repeated them as they came.
+        assert!(
+            !msg.contains("secret") && !msg.contains("sig123") && !msg.contains("u:p@"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("GET http://***@proxy:9000/b/k in 10s")
+                && msg.contains("(http://***@proxy:9000/b/k?...")
+                && msg.contains("\"https://***@h/x\""),
+            "{msg}"
+        );
+        // A URL with nothing secret in it, and text with no URL, are left as they are.
+        let plain = "Error performing GET https://b.s3.amazonaws.com/p/a.bin in 1s";
+        assert_eq!(redact_urls(plain), plain);
+        assert_eq!(redact_urls("a:// b (x://"), "a:// b (x://");
+        assert_eq!(redact_urls("(1s3://k:v@b/p)"), "(1s3://***@b/p)");
     }
 
     #[test]

@@ -419,13 +419,13 @@ def test_a_rank_or_worker_out_of_range_is_a_value_error_before_sending(sent, kw,
 
 
 def test_the_dataset_pickles_with_its_options():
-    ds = swt._DatasetMixin("b", socket="/s", seed=8, batch_size=16, drop_last=True, rank=1, timeout=3.0)
+    ds = swt._DatasetMixin("b", socket="/s", seed=8, batch_size=16, drop_last=True, rank=1, world_size=2, timeout=3.0)
     ds.set_epoch(2)
     ds.batch_size = 8  # attributes write through to the options
     assert ds.options.batch_size == 8
     back = pickle.loads(pickle.dumps(ds))
     assert back.options == ds.options == StreamOptions(seed=8, batch_size=8, drop_last=True)
-    assert (back.dataset, back.socket, back.rank, back.world_size, back.timeout, back.copy, back.epoch) == ("b", "/s", 1, None, 3.0, True, 2)
+    assert (back.dataset, back.socket, back.rank, back.world_size, back.timeout, back.copy, back.epoch) == ("b", "/s", 1, 2, 3.0, True, 2)
     assert back.state_dict() == {"epoch": 2, "stream": None}
 
 

@@ -139,9 +139,15 @@ pub struct Ready {
 /// `shard` of a batch that holds samples of many shards (batch mode).
 pub const NO_SHARD: u32 = u32::MAX;
 
-/// Leased slabs may take up to 1/N of a stream's region before a `next` with `count` stops
-/// adding ready batches to its answer ([`Stream::leases_leave_room`]).
+/// A `next` with `count` adds a ready batch to its answer only while the leased slabs, that
+/// batch's included, take at most 1/N of the stream's region ([`Stream::next_within_room`]).
 pub const ANSWER_LEASE_SHARE: usize = 4;
+
+/// Whether a slab of `adding` bytes leased beside `leased` bytes of slabs keeps the leases
+/// within 1/[`ANSWER_LEASE_SHARE`] of a region of `capacity` bytes.
+fn leases_fit(leased: usize, adding: usize, capacity: usize) -> bool {
+    leased.saturating_add(adding) <= capacity / ANSWER_LEASE_SHARE
+}
 
 struct Inner {
     /// Ready batches by slot.
@@ -325,16 +331,27 @@ impl Stream {
         self.lock().reorder.held()
     }
 
-    /// Whether the slabs leased to the trainer take at most 1/[`ANSWER_LEASE_SHARE`] of the
-    /// region. A `next` with `count` adds ready batches to its answer only while they do: the
-    /// trainer keeps an answer's batches leased until its next request, and in shard mode a few
-    /// large shards would otherwise hold the region and stop the fetch-ahead (batch mode's
-    /// ready-ahead batches take at most 1/16 of it when there are more than 2, so this rarely
-    /// limits batch mode: only batches over 1/8 of the region each, or ones assembled while
-    /// the answer is written).
-    pub fn leases_leave_room(&self) -> bool {
-        let leased: usize = self.lock().leases.values().map(|s| s.capacity()).sum();
-        leased <= self.pool.capacity() / ANSWER_LEASE_SHARE
+    /// The next batch, leased, when it is ready now and its slab with those already leased
+    /// takes at most 1/[`ANSWER_LEASE_SHARE`] of the region; None otherwise (nothing is
+    /// waited for). A `next` with `count` adds ready batches to its answer with this: the
+    /// trainer keeps an answer's batches leased until its next request, and in shard mode a
+    /// few large shards would otherwise hold the region and stop the fetch-ahead (batch
+    /// mode's ready-ahead batches take at most 1/16 of it when there are more than 2, so this
+    /// rarely limits batch mode: only batches over 1/8 of the region each, or ones assembled
+    /// while the answer is written). The batch added is counted: checking the leases before
+    /// it let one answer lease a slab past the share.
+    pub fn next_within_room(&self) -> Option<Batch> {
+        let mut i = self.lock();
+        if i.closed.is_some() {
+            return None;
+        }
+        let adding = i.reorder.peek()?.slab.capacity();
+        let leased: usize = i.leases.values().map(|s| s.capacity()).sum();
+        if !leases_fit(leased, adding, self.pool.capacity()) {
+            return None;
+        }
+        let (slot, ready) = i.reorder.take()?;
+        Some(self.deliver(&mut i, slot, ready))
     }
 
     /// Every source link of the node.
@@ -481,15 +498,7 @@ impl Stream {
             }
             if let Some((slot, ready)) = i.reorder.take() {
                 account(waited_since);
-                let batch = self.lease(self.kind.position(slot), &ready);
-                i.leases.insert(batch.lease, Arc::new(ready.slab));
-                if matches!(self.kind, Kind::Batches(_)) {
-                    self.taken.notify_one();
-                }
-                self.counters
-                    .batches_delivered
-                    .fetch_add(1, Ordering::Relaxed);
-                return Next::Batch(batch);
+                return Next::Batch(self.deliver(&mut i, slot, ready));
             }
             waited_since.get_or_insert_with(Instant::now);
             i = match deadline {
@@ -507,6 +516,20 @@ impl Stream {
                 }
             };
         }
+    }
+
+    /// Leases `ready`, the batch of `slot` just taken from the reorder buffer of `i` (this
+    /// stream's, locked), and counts it delivered.
+    fn deliver(&self, i: &mut Inner, slot: u64, ready: Ready) -> Batch {
+        let batch = self.lease(self.kind.position(slot), &ready);
+        i.leases.insert(batch.lease, Arc::new(ready.slab));
+        if matches!(self.kind, Kind::Batches(_)) {
+            self.taken.notify_one();
+        }
+        self.counters
+            .batches_delivered
+            .fetch_add(1, Ordering::Relaxed);
+        batch
     }
 
     /// The description of the batch at `pos`, held in `ready`.

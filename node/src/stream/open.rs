@@ -194,12 +194,59 @@ pub fn plan(manifest: &Manifest, r: &StreamRequest) -> Result<PlanSpec, OpenErro
     Ok(spec)
 }
 
-/// Whether a resume position (`epoch`, `index` within it) lies outside a stream of `epochs`
-/// epochs of `per_epoch` positions. Positions in the last epoch's "next" (`epochs`, k) are
-/// inside: a DataLoader worker's state after the last batch names its next slot there
-/// (nothing is left to deliver from it).
-pub(super) fn outside(epoch: u32, index: u64, per_epoch: u64, epochs: u32) -> bool {
-    index >= per_epoch || epoch > epochs
+/// Why a resume position is not one of a stream's ([`outside`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Outside {
+    /// Past its epoch's positions, or past the stream's epochs (the caller names its units).
+    Past,
+    /// In the epoch after the last, at an index no stream of these workers saves there.
+    AfterTheEnd(AfterTheEnd),
+}
+
+/// A resume position at the end of the run (`epochs`, `index`) that no stream read by
+/// `workers` streams saves: after its last batch a stream's state is (`epochs`, 0), a
+/// DataLoader worker's its next slot (`epochs`, k) with k below `workers`. Such a state
+/// was made by hand, mostly with `epochs` taken for the epochs still to run; it resumed to
+/// an empty stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "state position epoch {epochs} index {index} is at the end of this stream of {epochs} epochs, where a saved state names an index below {workers} (num_workers; 1 in shard mode or without DataLoader workers) and nothing is left to deliver; `epochs` counts the stream's epochs from epoch 0, not those left after the state: ask for more than {epochs} epochs to resume at this position"
+)]
+pub(super) struct AfterTheEnd {
+    /// The stream's epochs (the state's epoch).
+    pub epochs: u32,
+    /// The state's index.
+    pub index: u64,
+    /// The streams the rank's batches are split among (`num_workers`; 1 in shard mode).
+    pub workers: u32,
+}
+
+/// Where a resume position (`epoch`, `index` within it) lies outside a stream of `epochs`
+/// epochs of `per_epoch` positions read by `workers` streams (a rank's DataLoader workers;
+/// 1 in shard mode and for a stream not split among workers); `None` when inside. The end
+/// of the run is inside at the indexes a state names there: (`epochs`, 0) after the last
+/// batch, a DataLoader worker's next slot (`epochs`, k) with k below `workers` (nothing is
+/// left to deliver from either); any other index there is [`Outside::AfterTheEnd`].
+pub(super) fn outside(
+    epoch: u32,
+    index: u64,
+    per_epoch: u64,
+    epochs: u32,
+    workers: u32,
+) -> Option<Outside> {
+    if index >= per_epoch || epoch > epochs {
+        return Some(Outside::Past);
+    }
+    let workers = workers.max(1);
+    if epoch == epochs && index >= u64::from(workers) {
+        let e = AfterTheEnd {
+            epochs,
+            index,
+            workers,
+        };
+        return Some(Outside::AfterTheEnd(e));
+    }
+    None
 }
 
 /// The stream position to start from: 0, or where `state` says, if it belongs to this plan.
@@ -229,13 +276,18 @@ pub fn resume_position(
             st.seed, spec.seed
         )));
     }
-    if outside(st.epoch, st.index, spec.per_rank(), epochs) {
-        return Err(mismatch(format!(
-            "state position epoch {} index {} is outside this stream ({epochs} epochs of {} batches)",
-            st.epoch,
-            st.index,
-            spec.per_rank()
-        )));
+    // One stream a rank: shard mode refuses DataLoader workers (`shard_mode`).
+    match outside(st.epoch, st.index, spec.per_rank(), epochs, 1) {
+        None => {}
+        Some(Outside::AfterTheEnd(e)) => return Err(mismatch(e.to_string())),
+        Some(Outside::Past) => {
+            return Err(mismatch(format!(
+                "state position epoch {} index {} is outside this stream ({epochs} epochs of {} batches)",
+                st.epoch,
+                st.index,
+                spec.per_rank()
+            )));
+        }
     }
     Ok(u64::from(st.epoch) * spec.per_rank() + st.index)
 }
@@ -323,7 +375,7 @@ pub fn batch_mode(
     )
     .map_err(|e| bad(e.to_string()))?;
     let fingerprint = plan.fingerprint(&m.digest_bytes());
-    let start = resume_batches(&plan, &fingerprint, st, r.epochs)?;
+    let start = resume_batches(&plan, &fingerprint, st, (r.epochs, r.num_workers))?;
     let mut mode = BatchMode::new(Sampler::One(plan), r, layout, tokens);
     let Sampler::One(plan) = &mode.sampler else {
         unreachable!("just made")
@@ -441,12 +493,13 @@ pub fn check_index_fits(per_epoch: u64, per_position: u64, epochs: u32) -> Resul
     ))
 }
 
-/// The batch-mode position to start from: 0, or the global step `state` names.
+/// The batch-mode position to start from: 0, or the global step `state` names, in a stream
+/// of `epochs` epochs read by `workers` DataLoader workers.
 fn resume_batches(
     plan: &BatchPlan,
     fingerprint: &str,
     state: Option<&StreamState>,
-    epochs: u32,
+    (epochs, workers): (u32, u32),
 ) -> Result<u64, OpenError> {
     let Some(st) = state else { return Ok(0) };
     let mismatch = |m: String| OpenError::new(ErrorCode::StateMismatch, m);
@@ -462,11 +515,15 @@ fn resume_batches(
     }
     compare_fingerprints(fingerprint, &st.fingerprint).map_err(mismatch)?;
     let steps = plan.steps();
-    if outside(st.epoch, st.index, steps, epochs) {
-        return Err(mismatch(format!(
-            "state position epoch {} step {} is outside this stream ({epochs} epochs of {steps} steps)",
-            st.epoch, st.index
-        )));
+    match outside(st.epoch, st.index, steps, epochs, workers) {
+        None => {}
+        Some(Outside::AfterTheEnd(e)) => return Err(mismatch(e.to_string())),
+        Some(Outside::Past) => {
+            return Err(mismatch(format!(
+                "state position epoch {} step {} is outside this stream ({epochs} epochs of {steps} steps)",
+                st.epoch, st.index
+            )));
+        }
     }
     let want = st.index * plan.global_batch();
     if st.cursor.is_some_and(|c| c != want) {
@@ -827,8 +884,17 @@ mod tests {
         assert_eq!(e.code, ErrorCode::StateMismatch);
         assert!(e.message.contains("index 5 is outside"), "{e}");
         assert!(resume_position(&s, Some(&state(4, 0, &s)), 3).is_err());
-        // A worker's next slot after the end: inside, nothing left.
-        assert_eq!(resume_position(&s, Some(&state(3, 1, &s)), 3).unwrap(), 16);
+        // The end of the run past index 0: no shard-mode stream saves it (a state of epoch
+        // 1 of a longer run, resumed with `epochs` taken as the epochs left). Before:
+        // accepted, and the stream was empty.
+        let e = resume_position(&s, Some(&state(3, 1, &s)), 3).unwrap_err();
+        assert_eq!(e.code, ErrorCode::StateMismatch);
+        let m = &e.message;
+        assert!(
+            m.contains("epoch 3 index 1 is at the end of this stream"),
+            "{m}"
+        );
+        assert!(m.contains("ask for more than 3 epochs"), "{m}");
         let mut other = s.clone();
         other.world_size = 4;
         let e = resume_position(&s, Some(&state(0, 0, &other)), 3).unwrap_err();
@@ -875,7 +941,7 @@ mod tests {
         let o = SampleOrder::new([1; 32], vec![40], 4, Shuffle::Block, 8, 1).unwrap();
         let plan = BatchPlan::new(Arc::new(o), 4, 1, 0, false).unwrap();
         let fingerprint = plan.fingerprint(&[1; 32]);
-        let e = resume_batches(&plan, &fingerprint, Some(&st), 3).unwrap_err();
+        let e = resume_batches(&plan, &fingerprint, Some(&st), (3, 1)).unwrap_err();
         assert_eq!(e.code, ErrorCode::StateMismatch);
         assert!(
             e.message
@@ -887,9 +953,47 @@ mod tests {
         own.fingerprint = fingerprint.clone();
         own.cursor = Some(8);
         assert_eq!(
-            resume_batches(&plan, &fingerprint, Some(&own), 3).unwrap(),
+            resume_batches(&plan, &fingerprint, Some(&own), (3, 1)).unwrap(),
             2
         );
+    }
+
+    #[test]
+    fn the_end_of_the_run_is_a_resume_point_only_at_indexes_its_workers_save() {
+        // 40 samples in global batches of 4: 10 steps an epoch, 3 epochs.
+        let o = SampleOrder::new([1; 32], vec![40], 4, Shuffle::Block, 8, 1).unwrap();
+        let plan = BatchPlan::new(Arc::new(o), 4, 1, 0, false).unwrap();
+        let fingerprint = plan.fingerprint(&[1; 32]);
+        let at = |index: u64| StreamState {
+            epoch: 3,
+            index,
+            seed: 4,
+            fingerprint: fingerprint.clone(),
+            cursor: None,
+            partitions: None,
+            shuffle_block: None,
+            mix: None,
+        };
+        let resume = |index: u64, workers: u32| {
+            resume_batches(&plan, &fingerprint, Some(&at(index)), (3, workers))
+        };
+        // After the last batch: index 0, or a worker's next slot (below num_workers).
+        assert_eq!(resume(0, 1).unwrap(), 30);
+        assert_eq!(resume(2, 3).unwrap(), 32);
+        // Before: accepted for any index of the epoch, and the stream was empty.
+        for (index, workers) in [(1, 1), (3, 3), (9, 3)] {
+            let e = resume(index, workers).unwrap_err();
+            assert_eq!(e.code, ErrorCode::StateMismatch);
+            let m = &e.message;
+            assert!(
+                m.contains(&format!("epoch 3 index {index} is at the end")),
+                "{m}"
+            );
+            assert!(m.contains(&format!("an index below {workers}")), "{m}");
+        }
+        // Past the epoch's steps: the caller's own words, as before.
+        let e = resume(10, 3).unwrap_err();
+        assert!(e.message.contains("step 10 is outside"), "{}", e.message);
     }
 
     /// 64 shards of 4 documents of 4 tokens (4096 bytes each), windows of 63 tokens (each

@@ -17,7 +17,7 @@ use super::error::OpenError;
 use super::kind::{BatchMode, Kind, Sampler};
 use super::layout::Layout;
 use super::mix::{MixPart, Mixture, Point};
-use super::open::{block_shards, check_workers, max_class, sample_order};
+use super::open::{Outside, block_shards, check_workers, max_class, sample_order};
 use super::peak;
 use super::supply::{READY_AHEAD, ready_ahead};
 use super::tokens::TokenMode;
@@ -200,8 +200,12 @@ fn resume_point(r: &StreamRequest, q: &[i128], samples: &[u64]) -> Result<Point,
         .map(|&w| i128::from(w))
         .eq(q.iter().copied());
     if !same {
+        check_saved_weights(ms, n)?;
         check_weight_change(r, ms, q)?;
-        tracing::info!(saved = ?ms.weights, now = ?q, "mixture weights changed: every dataset continues from its cursor under the new weights");
+        tracing::info!(
+            saved = ?ms.weights, now = ?q, step = ms.step, epoch = st.epoch, index = st.index,
+            "mixture weights changed: the schedule reaches the state's position under the saved weights, and every dataset continues from its cursor there under the new weights"
+        );
     }
     Ok(Point {
         step: ms.step,
@@ -211,6 +215,26 @@ fn resume_point(r: &StreamRequest, q: &[i128], samples: &[u64]) -> Result<Point,
             false => vec![0; n],
         },
     })
+}
+
+/// Refuses saved weights that no schedule has: one per dataset, each at least 2^-40 (as
+/// `fixed_weights` makes them), summing to exactly one. A state at the schedule's start is
+/// played to its position under them ([`from_the_start`]), and a zero weight would divide by
+/// zero there.
+fn check_saved_weights(ms: &MixState, n: usize) -> Result<(), OpenError> {
+    let valid = ms.weights.len() == n
+        && ms.weights.iter().all(|&w| w >= 1)
+        && ms.weights.iter().map(|&w| i128::from(w)).sum::<i128>() == ONE;
+    if valid {
+        return Ok(());
+    }
+    Err(bad(
+        ErrorCode::StateMismatch,
+        format!(
+            "the state's mix weights {:?} are not a schedule's (one per dataset of the {n}, each at least 1, summing to 2^40); pass the state as the stream saved it",
+            ms.weights
+        ),
+    ))
 }
 
 /// Refuses new weights for a DataLoader worker's stream (`num_workers` > 1): new weights
@@ -314,10 +338,12 @@ const MAX_REPLAY_SAMPLES: u64 = 1 << 33;
 /// `mix` based at the state's position when the state's mixture point is the schedule's
 /// start while its position is later: the state of a stream that has delivered nothing (a
 /// probe's), moved to another epoch (`{epoch: e, index: 0}`, as the SDK's `set_epoch` and
-/// `open_at_epoch` do). The schedule from the start is played to that step (its weights are
-/// the state's: the same as a stream run from the start would have had). A position whose
-/// index would not fit, or past what an open replays, is refused first: nothing else bounds
-/// the replay (a state may name epoch 2^32 - 2).
+/// `open_at_epoch` do). The schedule from the start is played to that step under the
+/// state's weights (the same as a stream run from the start would have had); where the
+/// request's weights differ, the schedule goes on from there under them, every dataset from
+/// its cursor (carry reset), as a resume from a state saved at that step does. A position
+/// whose index would not fit, or past what an open replays, is refused first: nothing else
+/// bounds the replay (a state may name epoch 2^32 - 2).
 fn from_the_start(mix: Mixture, r: &StreamRequest) -> Result<Mixture, OpenError> {
     let Some(st) = r.state.as_ref() else {
         return Ok(mix);
@@ -329,15 +355,34 @@ fn from_the_start(mix: Mixture, r: &StreamRequest) -> Result<Mixture, OpenError>
         .saturating_mul(mix.steps)
         .saturating_add(st.index);
     // A position past the stream is refused by `resume_position` with the numbers.
-    if !at_start || pos == 0 || super::open::outside(st.epoch, st.index, mix.steps, r.epochs) {
+    let outside = super::open::outside(st.epoch, st.index, mix.steps, r.epochs, r.num_workers);
+    if !at_start || pos == 0 || outside.is_some() {
         return Ok(mix);
     }
     // The node checks it again after the open; before the replay, it bounds it.
     super::open::check_index_fits(mix.steps, u64::from(mix.batch_size), r.epochs)?;
+    // Played under the state's weights (checked by `resume_point` where they differ):
+    // replaying under the request's gave each dataset another cursor at `pos`, so the new
+    // weights repeated some samples and skipped others.
+    let q = mix.q.clone();
+    let saved: Option<Vec<i128>> = st
+        .mix
+        .as_ref()
+        .map(|m| m.weights.iter().map(|&w| i128::from(w)).collect());
+    let played = match saved {
+        Some(w) if w != q => {
+            let who = (mix.batch_size, mix.world_size, mix.rank);
+            Mixture::new(mix.parts, w, who, mix.base)
+        }
+        _ => mix,
+    };
     // What is played is the way from the nearest checkpoint a stream of this schedule reached
     // (the previous epoch's open left them up to its position), not from step 0.
-    let from = mix.nearest_step(pos);
-    let (steps, samples) = (pos - from, (pos - from).saturating_mul(mix.global_batch()));
+    let from = played.nearest_step(pos);
+    let (steps, samples) = (
+        pos - from,
+        (pos - from).saturating_mul(played.global_batch()),
+    );
     if steps > MAX_REPLAY_STEPS || samples > MAX_REPLAY_SAMPLES {
         return Err(bad(
             ErrorCode::BadRequest,
@@ -350,13 +395,13 @@ fn from_the_start(mix: Mixture, r: &StreamRequest) -> Result<Mixture, OpenError>
     // From the nearest checkpoint another stream of this node reached (`schedules`); a
     // replay from step 0 still takes milliseconds per thousand steps: off the runtime's
     // workers' other tasks.
-    let point = tokio::task::block_in_place(|| mix.point(pos));
-    Ok(Mixture::new(
-        mix.parts,
-        mix.q,
-        (mix.batch_size, mix.world_size, mix.rank),
-        point,
-    ))
+    let mut point = tokio::task::block_in_place(|| played.point(pos));
+    if played.q != q {
+        // The new weights from here: each dataset goes on from its cursor, the carry reset.
+        point.carry = vec![0; point.carry.len()];
+    }
+    let who = (played.batch_size, played.world_size, played.rank);
+    Ok(Mixture::new(played.parts, q, who, point))
 }
 
 /// Whether a dataset's resumed cursor (samples it has given) is one a schedule can reach and
@@ -376,11 +421,15 @@ fn resume_position(r: &StreamRequest, mix: &Mixture, fingerprint: &str) -> Resul
     };
     let mismatch = |m: String| bad(ErrorCode::StateMismatch, m);
     compare_fingerprints(fingerprint, &st.fingerprint).map_err(mismatch)?;
-    if super::open::outside(st.epoch, st.index, mix.steps, r.epochs) {
-        return Err(mismatch(format!(
-            "state position epoch {} step {} is outside this stream ({} epochs of {} steps)",
-            st.epoch, st.index, r.epochs, mix.steps
-        )));
+    match super::open::outside(st.epoch, st.index, mix.steps, r.epochs, r.num_workers) {
+        None => {}
+        Some(Outside::AfterTheEnd(e)) => return Err(mismatch(e.to_string())),
+        Some(Outside::Past) => {
+            return Err(mismatch(format!(
+                "state position epoch {} step {} is outside this stream ({} epochs of {} steps)",
+                st.epoch, st.index, r.epochs, mix.steps
+            )));
+        }
     }
     let pos = u64::from(st.epoch)
         .checked_mul(mix.steps)
@@ -502,6 +551,7 @@ fn check_window(
 
 #[cfg(test)]
 mod tests {
+    use super::super::mix::MixSample;
     use super::*;
     use shardwire_protocol::manifest::{DType, ShardEntry, TensorEntry};
     use shardwire_protocol::trainer::{MixState, StreamState};
@@ -777,6 +827,106 @@ mod tests {
         // A state at the schedule's start is every worker's: new weights are taken.
         r.state = Some(halves_state(0, [0, 0]));
         assert!(resume_point(&r, &q, &samples).is_ok());
+    }
+
+    #[test]
+    fn saved_weights_no_schedule_has_are_refused() {
+        let (.., mut r) = halves(2, 2);
+        let q = fixed_weights(&["a", "b"], &[0.75, 0.25]).unwrap();
+        let mut st = halves_state(0, [0, 0]);
+        st.mix.as_mut().unwrap().weights = vec![0, 1 << 40];
+        r.state = Some(st);
+        // Before: accepted (the saved weights were only compared with the request's).
+        let e = resume_point(&r, &q, &[16, 16]).unwrap_err();
+        assert_eq!(e.code, ErrorCode::StateMismatch, "{}", e.message);
+        assert!(
+            e.message
+                .contains("mix weights [0, 1099511627776] are not a schedule's"),
+            "{}",
+            e.message
+        );
+    }
+
+    /// Dataset `d`'s first `n` samples in its own order (its epochs in turn): what a stream
+    /// of the mixture delivers of it when no sample is repeated or skipped.
+    fn own_order(mix: &Mixture, d: usize, n: u64) -> Vec<MixSample> {
+        let part = &mix.parts[d];
+        let total = part.order.total();
+        let mut out = Vec::new();
+        for e in 0..n.div_ceil(total) {
+            let ep = part.order.epoch(e as u32);
+            for t in 0..total.min(n - e * total) {
+                let mut s = ep.sample(t);
+                s.shard += part.first_shard;
+                out.push(MixSample::Row(s));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn new_weights_at_an_epoch_boundary_go_on_from_every_dataset_cursor() {
+        // Two datasets of 1000 samples, a global batch of 8: 250 steps an epoch.
+        let (parts, combined, mut r) = halves(125, 125);
+        r.batch_size = Some(8);
+        r.epochs = 2;
+        let open = |r: &StreamRequest| {
+            let (Kind::Batches(mode), start, fingerprint) =
+                mix_mode(&parts, &combined, r, 8, 1 << 30, false).unwrap()
+            else {
+                panic!("batch mode")
+            };
+            (mode, start, fingerprint)
+        };
+        // Epoch 0 at half and half, from the start.
+        let (first, _, fingerprint) = open(&r);
+        let Sampler::Mix(a) = &first.sampler else {
+            panic!("a mixture")
+        };
+        assert_eq!(a.steps, 250);
+        // Epoch 1 at 0.75 and 0.25, from the state `set_epoch(1)` makes of a stream of
+        // epoch 0's weights that delivered nothing: epoch 1, the schedule's start.
+        r.state = Some(StreamState {
+            epoch: 1,
+            fingerprint,
+            ..halves_state(0, [0, 0])
+        });
+        r.mix = Some(vec![
+            MixEntry {
+                dataset: "a".into(),
+                weight: 0.75,
+            },
+            MixEntry {
+                dataset: "b".into(),
+                weight: 0.25,
+            },
+        ]);
+        let (second, start, _) = open(&r);
+        assert_eq!(start, 250);
+        let Sampler::Mix(b) = &second.sampler else {
+            panic!("a mixture")
+        };
+        // Before: epoch 0 was replayed under the new weights (cursors 1500 and 500), so a's
+        // samples [1000, 1500) were never delivered and b's [500, 1000) twice.
+        assert_eq!(b.base.cursors, vec![1000, 1000]);
+        let mut got: [Vec<MixSample>; 2] = Default::default();
+        for (m, steps) in [(a, 0..250u64), (b, 250..500)] {
+            for step in steps {
+                for (d, s) in m.samples(step) {
+                    got[d].push(s);
+                }
+            }
+        }
+        assert_eq!((got[0].len(), got[1].len()), (1000 + 1500, 1000 + 500));
+        for (d, seen) in got.iter().enumerate() {
+            let want = own_order(a, d, seen.len() as u64);
+            let wrong = seen.iter().zip(&want).position(|(s, w)| s != w);
+            assert_eq!(
+                wrong, None,
+                "dataset {d}: each sample once, in its own order"
+            );
+        }
+        assert_eq!(b.state(500).cursors, vec![2500, 1500]);
     }
 
     #[test]

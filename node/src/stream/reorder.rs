@@ -39,6 +39,11 @@ impl<T> Reorder<T> {
         Some((pos, item))
     }
 
+    /// The item at the next position, if it is there (nothing advances).
+    pub fn peek(&self) -> Option<&T> {
+        self.ready.get(&self.next)
+    }
+
     /// The next position to deliver.
     pub fn next(&self) -> u64 {
         self.next
@@ -70,7 +75,9 @@ mod tests {
         r.insert(2, "c").unwrap();
         r.insert(1, "b").unwrap();
         assert_eq!(r.take(), None, "position 0 has not arrived");
+        assert_eq!(r.peek(), None);
         r.insert(0, "a").unwrap();
+        assert_eq!(r.peek(), Some(&"a"));
         assert_eq!(r.take(), Some((0, "a")));
         assert_eq!(r.take(), Some((1, "b")));
         assert_eq!(r.take(), Some((2, "c")));

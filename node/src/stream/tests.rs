@@ -135,6 +135,31 @@ fn batches_come_in_plan_order_whatever_order_shards_arrive_in() {
 }
 
 #[test]
+fn batches_added_to_an_answer_keep_the_leases_within_a_quarter_of_the_region() {
+    // A region of 8 slabs of 4096 bytes: a quarter holds 2 of them.
+    let s = stream_in(4, 0, 8 * 4096, &[]);
+    for pos in 0..4 {
+        arrive(&s, pos);
+    }
+    let first = batch(s.next(None));
+    let second = s.next_within_room().expect("two slabs take a quarter");
+    assert_eq!(second.index, 1);
+    // Before: the room was checked before each batch was added, without its slab: with two
+    // leased (8192 bytes, a quarter) a third was added, 3/8 of the region.
+    assert!(
+        s.next_within_room().is_none(),
+        "a third slab is past the quarter"
+    );
+    assert_eq!(s.info().leased, 2);
+    assert_eq!(s.ready_count(), 2, "left ready for the next answer");
+    // A release makes room for the next one.
+    assert!(s.release(first.lease));
+    assert_eq!(s.next_within_room().map(|b| b.index), Some(2));
+    assert!(!leases_fit(4096, 4097, 32768));
+    assert!(leases_fit(4096, 4096, 32768));
+}
+
+#[test]
 fn releasing_frees_the_memory_and_unknown_leases_are_refused() {
     let s = stream(3, 0);
     arrive(&s, 0);

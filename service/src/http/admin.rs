@@ -17,6 +17,7 @@ use shardwire_node::{CloseReason, Control, Node, Reply};
 use shardwire_protocol::trainer::ErrorCode;
 
 use super::error::{ApiError, authorize, path_error};
+use super::single_flight::SingleFlight;
 
 /// Admin reads must finish within this time (the trainer long-poll routes are separate).
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -26,8 +27,15 @@ const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// applies changes one at a time, so a change may wait for the one before it.
 const CONTROL_SLACK: Duration = Duration::from_secs(30);
 
+/// How old a NIC probe's result `GET /v1/nics` may answer with, rather than probe again.
+const NICS_FRESH: Duration = Duration::from_secs(1);
+
 /// The admin routes.
 pub fn router(node: Arc<Node>) -> Router {
+    let probe = Arc::new(SingleFlight::new(
+        NICS_FRESH,
+        || json!({ "nics": shardwire_devmem::probe::probe_nics() }),
+    ));
     let reads = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
@@ -35,7 +43,7 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/status", get(status))
         .route("/v1/streams", get(streams))
         .route("/v1/streams/{id}", get(stream_one))
-        .route("/v1/nics", get(nics))
+        .route("/v1/nics", get(move || nics(Arc::clone(&probe))))
         .route("/v1/bindings", get(super::bindings::list))
         .layer(axum::middleware::from_fn(|req, next| {
             within(ADMIN_TIMEOUT, req, next)
@@ -123,13 +131,18 @@ async fn close_stream(
     Ok(Json(json!({ "closed": id })).into_response())
 }
 
-/// A fresh capability probe of every NIC (netlink queries and a trial bind with an invalid
-/// fd, which the kernel rejects before anything can be bound).
-async fn nics() -> Result<Response, ApiError> {
-    let n = tokio::task::spawn_blocking(shardwire_devmem::probe::probe_nics)
+/// A capability probe of every NIC (netlink queries and a trial bind with an invalid fd,
+/// which the kernel rejects before anything can be bound): one at most [`NICS_FRESH`] old, or
+/// the one running now, or a new one. Never more than one runs, so requests (a client that
+/// times out and asks again, a loop) cannot take the blocking threads that tensor copies,
+/// binding changes and the data path need: a probe cannot be cancelled, and one whose
+/// request gave up ([`ADMIN_TIMEOUT`], a client gone) answers the requests after it.
+async fn nics(probe: Arc<SingleFlight<serde_json::Value>>) -> Result<Response, ApiError> {
+    let v = probe
+        .get()
         .await
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
-    Ok(Json(json!({ "nics": n })).into_response())
+        .map_err(|e| ApiError::new(ErrorCode::Internal, format!("NIC probe: {e}")))?;
+    Ok(Json(v).into_response())
 }
 
 async fn readyz(State(node): State<Arc<Node>>) -> impl IntoResponse {
@@ -212,6 +225,35 @@ mod tests {
         let (code, text) = readyz_answer(1, 1, 1, true);
         assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(text, "not ready: draining\n");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_nics_requests_start_one_probe() {
+        // Before: each `GET /v1/nics` ran its own probe on a blocking thread.
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let runs = Arc::new(AtomicUsize::new(0));
+        let r = Arc::clone(&runs);
+        let probe = Arc::new(SingleFlight::new(NICS_FRESH, move || {
+            std::thread::sleep(Duration::from_millis(200));
+            json!({ "nics": [], "probe": r.fetch_add(1, Ordering::SeqCst) })
+        }));
+        let app = Router::new().route("/v1/nics", get(move || nics(Arc::clone(&probe))));
+        let requests: Vec<_> = (0..8)
+            .map(|_| {
+                let req = axum::http::Request::get("/v1/nics")
+                    .body(Body::empty())
+                    .unwrap();
+                tokio::spawn(super::super::server::answer(app.clone(), req))
+            })
+            .collect();
+        for r in requests {
+            let r = r.await.unwrap();
+            assert_eq!(r.status(), StatusCode::OK);
+            let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(v, json!({ "nics": [], "probe": 0 }));
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "one probe for 8 requests");
     }
 
     #[tokio::test]

@@ -9,6 +9,7 @@ mod copies;
 pub mod error;
 pub mod prom;
 pub mod server;
+mod single_flight;
 mod stall;
 pub mod trainer;
 

@@ -8,7 +8,7 @@
 //! open, [`SMALL_BODY_LIMIT`] elsewhere), and a write of the answer may wait for the client at
 //! most `http_write_timeout_secs` without progress ([`super::stall`]).
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,20 +92,33 @@ impl Limits {
     }
 }
 
-/// Whether a connection came from this host (a loopback address).
+/// Whether a connection came from this host ([`from_this_host`]).
 #[derive(Clone, Copy, Debug)]
-struct FromLoopback(bool);
+struct FromThisHost(bool);
 
-/// A request over loopback must name this host in `Host`: `localhost` or an IP address. A web
-/// page whose name an attacker rebinds to 127.0.0.1 (DNS rebinding) is same-origin to the
-/// browser, which then sends no `Origin` on its GETs and lets it read the answers (tensor
-/// bytes, the node's status); its requests name that name. Judged per connection, so a node
-/// listening on a wildcard address (which loopback reaches too) is covered.
+/// Whether a connection from `peer`, accepted on a socket whose own address is `local`, comes
+/// from this host: a loopback peer, or a peer at the socket's own address (a process here that
+/// dialled one of the host's other addresses, say its LAN address on a wildcard listener: the
+/// kernel gives the connection that address as its source too). An unknown `local` counts as
+/// this host (the `Host` check then applies: it refuses names, never addresses).
+fn from_this_host(peer: IpAddr, local: Option<IpAddr>) -> bool {
+    let peer = peer.to_canonical();
+    peer.is_loopback() || local.is_none_or(|l| l.to_canonical() == peer)
+}
+
+/// A request from this host ([`from_this_host`]) must name this host in `Host`: `localhost`
+/// or an IP address. A web page whose name an attacker rebinds to 127.0.0.1, or to the host's
+/// LAN address (DNS rebinding), is same-origin to the browser, which then sends no `Origin` on
+/// its GETs and lets it read the answers (tensor bytes, the node's status); its requests name
+/// that name. Judged per connection, so a node listening on a wildcard address (which
+/// loopback and the host's own addresses reach too) is covered. A process that binds its
+/// source to another of the host's addresses than the one it dials is judged remote (a
+/// browser does not).
 async fn addressed_to_this_host(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
-    if !req.extensions().get::<FromLoopback>().is_some_and(|l| l.0) {
+    if !req.extensions().get::<FromThisHost>().is_some_and(|l| l.0) {
         return next.run(req).await;
     }
     let host = req
@@ -116,9 +129,9 @@ async fn addressed_to_this_host(
         Some(h) if !local_host_name(&h) => ApiError::new(
             ErrorCode::Forbidden,
             format!(
-                "Host `{h}`: over loopback the node answers requests addressed to localhost or \
-                 an IP address only (a web page whose name resolves to this host must not \
-                 read it)"
+                "Host `{h}`: from this host the node answers requests addressed to localhost \
+                 or an IP address only (a web page whose name resolves to this host must not \
+                 read it): use http://localhost:PORT or http://ADDRESS:PORT"
             ),
         )
         .into_response(),
@@ -184,7 +197,8 @@ pub async fn serve(
         if reserved && let Ok(p) = Arc::clone(&slots).try_acquire_owned() {
             (permit, reserved) = (p, false);
         }
-        let svc = connection_service(&app, reserved, peer);
+        let local = stream.local_addr().ok().map(|a| a.ip());
+        let svc = connection_service(&app, reserved, from_this_host(peer.ip(), local));
         let stop = shutdown.clone();
         tokio::spawn(run_connection(stream, peer, svc, limits, stop, permit));
     }
@@ -193,7 +207,7 @@ pub async fn serve(
 
 /// `app` behind the server's checks, outermost first: a reserve connection closed after
 /// its answer (whoever made it: the checks' own `403`, `413`, `400` and `408` too), the
-/// `Host` of a loopback request, and the body read whole within its timeout. (The last
+/// `Host` of a request from this host, and the body read whole within its timeout. (The last
 /// `layer` is the outermost.)
 fn with_checks(app: Router, limits: Limits) -> Router {
     app.layer(axum::middleware::from_fn_with_state(limits, bounded_body))
@@ -201,14 +215,14 @@ fn with_checks(app: Router, limits: Limits) -> Router {
         .layer(axum::middleware::from_fn(close_reserve_connections))
 }
 
-/// The app for one connection from `peer`, marked when it came over loopback and when it
+/// The app for one connection, marked when it came from this host (`this_host`) and when it
 /// holds a [`RESERVE`] slot.
 fn connection_service(
     app: &Router,
     reserved: bool,
-    peer: SocketAddr,
+    this_host: bool,
 ) -> TowerToHyperService<Router> {
-    let local = axum::Extension(FromLoopback(peer.ip().to_canonical().is_loopback()));
+    let local = axum::Extension(FromThisHost(this_host));
     match reserved {
         true => {
             TowerToHyperService::new(app.clone().layer(axum::Extension(OnReserve)).layer(local))
@@ -476,7 +490,7 @@ mod tests {
         ];
         for (host, len, status) in cases {
             for reserved in [true, false] {
-                let local = axum::Extension(FromLoopback(true));
+                let local = axum::Extension(FromThisHost(true));
                 let app = match reserved {
                     true => app.clone().layer(axum::Extension(OnReserve)).layer(local),
                     false => app.clone().layer(local),
@@ -549,6 +563,43 @@ mod tests {
             phase_after(&[GET, partial]).await,
             Some("header"),
             "a second head begun after an answer"
+        );
+    }
+
+    #[test]
+    fn a_peer_at_the_sockets_own_address_is_this_host() {
+        // Before: only loopback peers were, so a browser here reaching a wildcard listener
+        // through the host's LAN address (its source that address too) skipped the `Host`
+        // check, and a page rebound to that address read the node.
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let lan = ip("10.1.2.3");
+        assert!(from_this_host(lan, Some(lan)), "LAN address to itself");
+        assert!(
+            from_this_host(ip("::ffff:10.1.2.3"), Some(lan)),
+            "dual-stack socket"
+        );
+        assert!(from_this_host(
+            ip("::ffff:10.1.2.3"),
+            Some(ip("::ffff:10.1.2.3"))
+        ));
+        assert!(from_this_host(ip("127.0.0.1"), Some(lan)), "loopback");
+        assert!(
+            from_this_host(ip("127.0.1.1"), Some(ip("127.0.0.1"))),
+            "loopback"
+        );
+        assert!(from_this_host(ip("::1"), Some(ip("::1"))), "loopback");
+        assert!(
+            from_this_host(ip("10.9.9.9"), None),
+            "unknown socket address: checked"
+        );
+        assert!(!from_this_host(ip("10.1.2.4"), Some(lan)), "another host");
+        assert!(
+            !from_this_host(ip("::ffff:10.1.2.4"), Some(lan)),
+            "another host"
+        );
+        assert!(
+            !from_this_host(ip("fd00::2"), Some(ip("fd00::1"))),
+            "another host"
         );
     }
 

@@ -71,7 +71,10 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/streams/{id}/close", post(close))
         .route("/v1/streams/{id}/next", post(next))
         .route("/v1/streams/{id}/state", get(state))
-        .route("/v1/leases/{lease}/tensors/{name}", get(tensor))
+        .route(
+            "/v1/leases/{lease}/tensors/{name}",
+            get(tensor).head(tensor_head),
+        )
         .route("/v1/leases/{lease}/release", post(release))
         .layer(axum::middleware::from_fn(refuse_web_pages))
         .layer(axum::middleware::from_fn_with_state(
@@ -696,11 +699,8 @@ async fn state(
 
 // --- leases ----------------------------------------------------------------------------------
 
-async fn tensor(
-    State(api): State<Arc<Api>>,
-    p: Result<Path<(u64, String)>, PathRejection>,
-) -> Result<Response, ApiError> {
-    let Path((lease, name)) = p.map_err(path_error)?;
+/// The stream holding `lease`, and the tensor `name` of its batch.
+fn leased_tensor(api: &Api, lease: u64, name: &str) -> Result<(u64, TensorView), ApiError> {
     let (sid, tensors) = {
         let leases = api.leases.lock().expect("poisoned");
         let l = leases.get(&lease).ok_or_else(|| unknown_lease(lease))?;
@@ -716,6 +716,54 @@ async fn tensor(
             ),
         ));
     };
+    Ok((sid, t))
+}
+
+/// The headers of a tensor's answer, `Content-Length` aside (its body's length).
+fn tensor_headers(t: &TensorView) -> [(header::HeaderName, String); 3] {
+    let shape: Vec<String> = t.shape.iter().map(u64::to_string).collect();
+    [
+        (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+        (
+            header::HeaderName::from_static("x-shardwire-dtype"),
+            t.dtype.name().to_string(),
+        ),
+        (
+            header::HeaderName::from_static("x-shardwire-shape"),
+            shape.join(","),
+        ),
+    ]
+}
+
+/// `HEAD` of a tensor: the headers its `GET` answers with, `Content-Length` included, from
+/// the batch's metadata. Nothing is copied (axum would otherwise run the `GET` handler and
+/// drop its body: a whole tensor copied, and copy room taken, for nothing). Like any request
+/// naming a lease, it counts as the stream's activity.
+async fn tensor_head(
+    State(api): State<Arc<Api>>,
+    p: Result<Path<(u64, String)>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let Path((lease, name)) = p.map_err(path_error)?;
+    let (sid, t) = leased_tensor(&api, lease, &name)?;
+    let s = api.stream(sid).map_err(|_| unknown_lease(lease))?;
+    drop(Busy::new(&s));
+    Ok(head_answer(&t))
+}
+
+/// The answer to `HEAD` of `t`: [`tensor_headers`], its length, no body.
+fn head_answer(t: &TensorView) -> Response {
+    let mut r = (tensor_headers(t), axum::body::Body::empty()).into_response();
+    r.headers_mut()
+        .insert(header::CONTENT_LENGTH, header::HeaderValue::from(t.length));
+    r
+}
+
+async fn tensor(
+    State(api): State<Arc<Api>>,
+    p: Result<Path<(u64, String)>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let Path((lease, name)) = p.map_err(path_error)?;
+    let (sid, t) = leased_tensor(&api, lease, &name)?;
     let s = api.stream(sid).map_err(|_| unknown_lease(lease))?;
     // In use until the answer's body is gone (the download read, or the client left): the
     // idle reaper must not close the stream under a slow download. The body keeps only this
@@ -747,19 +795,8 @@ async fn tensor(
         .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
     };
     let bytes = bytes.ok_or_else(|| unknown_lease(lease))?;
-    let shape: Vec<String> = t.shape.iter().map(u64::to_string).collect();
     Ok((
-        [
-            (header::CONTENT_TYPE, "application/octet-stream".to_string()),
-            (
-                header::HeaderName::from_static("x-shardwire-dtype"),
-                t.dtype.name().to_string(),
-            ),
-            (
-                header::HeaderName::from_static("x-shardwire-shape"),
-                shape.join(","),
-            ),
-        ],
+        tensor_headers(&t),
         axum::body::Body::new(CopyBody::new(bytes, room, busy)),
     )
         .into_response())
@@ -857,6 +894,58 @@ mod tests {
         assert!(matches!(got, Turn::Found(7)));
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
         assert!(looks >= 2, "{looks}"); // looked before the batch, and again after
+    }
+
+    #[tokio::test]
+    async fn head_of_a_tensor_answers_gets_headers_with_no_copy() {
+        // Before: axum answered HEAD with the GET handler, which took copy room and copied
+        // the whole tensor to drop it. Now HEAD answers from the batch's metadata, with the
+        // headers (Content-Length included) of the GET answer over the copied bytes.
+        let t = TensorView {
+            name: "x".into(),
+            dtype: shardwire_protocol::DType::Float32,
+            shape: vec![17, 8],
+            offset: 4096,
+            length: 17 * 8 * 4,
+        };
+        let copies = Arc::new(Copies::new());
+        let gets = Arc::new(AtomicUsize::new(0));
+        let (c, g, tg, th) = (Arc::clone(&copies), Arc::clone(&gets), t.clone(), t.clone());
+        // GET as `tensor` answers once it has the bytes.
+        let download = move || {
+            let (copies, t) = (Arc::clone(&c), tg.clone());
+            g.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let room = copies.room(t.length, COPY_WAIT).await.unwrap();
+                let bytes = vec![7u8; t.length as usize];
+                let body = axum::body::Body::new(CopyBody::new(bytes, room, ()));
+                (tensor_headers(&t), body).into_response()
+            }
+        };
+        let app = Router::new().route(
+            "/t",
+            get(download).head(move || async move { head_answer(&th) }),
+        );
+        let request = |m: &str| {
+            let req = axum::http::Request::builder().method(m).uri("/t");
+            req.body(axum::body::Body::empty()).unwrap()
+        };
+        let head = super::super::server::answer(app.clone(), request("HEAD")).await;
+        assert_eq!(gets.load(Ordering::SeqCst), 0, "HEAD ran no download");
+        let got = super::super::server::answer(app, request("GET")).await;
+        assert_eq!(head.status(), StatusCode::OK);
+        assert_eq!(head.headers(), got.headers(), "HEAD's headers are GET's");
+        assert_eq!(head.headers()[header::CONTENT_LENGTH], "544");
+        assert_eq!(head.headers()["x-shardwire-shape"], "17,8");
+        assert_eq!(head.headers()["x-shardwire-dtype"], "float32");
+        let body = axum::body::to_bytes(head.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        assert!(body.is_empty());
+        let body = axum::body::to_bytes(got.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        assert_eq!(body.len() as u64, t.length);
     }
 
     /// A download's mark keeps the stream from idling out while it lives, and holds only the

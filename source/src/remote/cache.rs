@@ -17,17 +17,25 @@
 //! beyond a `cache_size` lowered since. A kept entry is checked against its CRC the first
 //! time it is served again.
 //!
-//! Writing happens outside the cache's lock: [`DiskCache::reserve`] decides and makes room
-//! (evicted files renamed aside), the caller deletes those and writes [`Reservation::temp`]
-//! ([`Reservation::discard_evicted`]), then [`DiskCache::commit`] (or `abort`); an entry
-//! taken out because it failed a check, and a written file that is not kept (a failed write
-//! or commit), are renamed aside the same way, for the caller to delete outside the lock.
-//! Names that start with `.` (partial writes, evicted or discarded files) are deleted at the
-//! next start.
+//! No disk operation runs under the cache's lock, which the dataset's FETCHes, hints and
+//! reads take (a cache disk that stops answering would hold them all, and the runtime's
+//! threads with them): the lock keeps the index only. [`DiskCache::lookup`] names an entry's
+//! file, opened outside the lock ([`Found::open`]). [`DiskCache::reserve`] decides and makes
+//! room in the index; the caller deletes the evicted entries' files
+//! ([`Reservation::discard_evicted`]), writes [`Reservation::temp`] and renames it into place
+//! ([`Reservation::install`]), or sets it aside if it is not kept, all outside the lock, and
+//! only then tells the cache ([`DiskCache::commit`] or `abort`). An entry taken out because
+//! it failed a check is deleted the same way ([`DiskCache::deleted`]). A shard whose old file
+//! is still being deleted is not reserved again until it is gone (it passes through this
+//! time), so no new file takes the name of one being deleted, and a reader that looked an
+//! entry up before it went opens either its whole file or none (then reads the store).
+//! Names that start with `.` (partial writes, discarded files) are deleted at the next start.
 
 mod claims;
+#[cfg(test)]
+pub(super) mod stall;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -119,6 +127,9 @@ pub fn entry_name(
 struct Entry {
     name: String,
     len: u64,
+    /// Which entry this is: one written anew for the same shard has another
+    /// ([`DiskCache::lost`], [`DiskCache::remove_cut_short`]).
+    id: u64,
     /// Checked against its CRC since it was written or loaded.
     verified: bool,
     /// The cache's clock when it was last written or served.
@@ -168,8 +179,9 @@ fn others_text(others: &[(PathBuf, u64)]) -> String {
 }
 
 /// True for the names this cache writes: entries ([`entry_name`]:
-/// `NNNNNNNN-HHHHHHHHHHHHHHHH.shard`), their partial writes, evicted files and written files
-/// not kept (`.<entry>.partial`, `.<entry>.evicted`, `.<entry>.discarded`: [`set_aside`]).
+/// `NNNNNNNN-HHHHHHHHHHHHHHHH.shard`), their partial writes and written files not kept
+/// (`.<entry>.partial`, `.<entry>.discarded`: [`set_aside`]), and the evicted files that
+/// earlier versions renamed aside (`.<entry>.evicted`).
 fn is_cache_file(name: &str) -> bool {
     let entry = name
         .strip_prefix('.')
@@ -274,7 +286,9 @@ impl Shards {
     }
 }
 
-/// Room made for one shard; write [`Self::temp`], then commit or abort.
+/// Room made for one shard; outside the cache's lock, delete the evicted files
+/// ([`Self::discard_evicted`]), write [`Self::temp`] and rename it into place
+/// ([`Self::install`]); then, under the lock, commit or abort.
 #[derive(Debug)]
 pub struct Reservation {
     /// The shard.
@@ -283,22 +297,46 @@ pub struct Reservation {
     pub name: String,
     /// Its length.
     pub len: u64,
-    /// Where to write it (renamed into place by [`DiskCache::commit`]).
+    /// Where to write it (renamed into place by [`Self::install`]).
     pub temp: PathBuf,
-    /// Entries evicted to make room (already out of the index).
+    /// Entries evicted to make room (already out of the index; their shards are reserved
+    /// again only once this reservation is committed or aborted).
     pub evicted: Vec<u32>,
-    /// Their files, renamed out of the way under the lock: delete them with
-    /// [`Reservation::discard_evicted`] outside it (unlinking a large file can take a while).
+    /// Their files, still under their names: deleted by [`Reservation::discard_evicted`].
     pub doomed: Vec<PathBuf>,
 }
 
 impl Reservation {
-    /// Deletes the evicted entries' files (call it outside the cache's lock); a file already
-    /// gone is no error, any other failure is logged (a restart deletes what is left).
-    pub fn discard_evicted(doomed: &[PathBuf]) {
-        for p in doomed {
-            unlink_or_say(p);
+    /// Deletes the evicted entries' files (outside the cache's lock: unlinking a large file
+    /// can take a while, and a disk can stall); a file already gone is no error, any other
+    /// failure is logged (a restart deletes what the manifest no longer names, or keeps it
+    /// as an entry).
+    pub fn discard_evicted(&self) {
+        for p in &self.doomed {
+            delete(p);
         }
+    }
+
+    /// Renames the written [`Self::temp`] into place, outside the cache's lock (then
+    /// [`DiskCache::commit`]); if that fails, the file is set aside ([`CommitError::doomed`];
+    /// then [`DiskCache::abort`]).
+    pub fn install(&self) -> Result<(), CommitError> {
+        let live = self.temp.with_file_name(&self.name);
+        match rename(&self.temp, &live) {
+            Ok(()) => Ok(()),
+            Err(source) => Err(CommitError {
+                source,
+                doomed: set_aside(&self.temp),
+            }),
+        }
+    }
+
+    /// Sets [`Self::temp`] aside, where the write failed (then [`DiskCache::abort`]); returns
+    /// the file to delete ([`delete`]: a partial write may be as large as a shard), `None` if
+    /// there is none.
+    #[must_use = "the file set aside is deleted by `delete`, or at the next start"]
+    pub fn set_aside(&self) -> Option<PathBuf> {
+        set_aside(&self.temp)
     }
 }
 
@@ -316,9 +354,9 @@ fn delete_stale(dir: &Path, file: PathBuf) -> Result<(), CacheError> {
     }
 }
 
-/// Deletes the cache file `p`; a file already gone is no error, any other failure is logged
-/// (the next start deletes what the index does not name).
-fn unlink_or_say(p: &std::path::Path) {
+/// Deletes the cache file `p` (outside the cache's lock); a file already gone is no error,
+/// any other failure is logged (the next start deletes what the index does not name).
+pub fn delete(p: &Path) {
     match std::fs::remove_file(p) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -327,14 +365,21 @@ fn unlink_or_say(p: &std::path::Path) {
     }
 }
 
+/// [`std::fs::rename`], which a test can hold back (`stall`).
+fn rename(from: &Path, to: &Path) -> std::io::Result<()> {
+    #[cfg(test)]
+    stall::pass(to);
+    std::fs::rename(from, to)
+}
+
 /// Renames `temp`, the file of a reservation that is not kept, out of the way (a rename is
-/// quick, and a later reservation of the same entry may write `temp` anew at once); returns
-/// the path to delete outside the cache's lock ([`Reservation::discard_evicted`]), `None` if
-/// there is no file (the write failed before making it). Its name starts with `.`: a restart
-/// deletes it if nothing else does.
+/// quick, and a later reservation of the same entry may write `temp` anew once this one is
+/// aborted); returns the path to delete ([`delete`]), `None` if there is no file (the write
+/// failed before making it). Its name starts with `.`: a restart deletes it if nothing else
+/// does.
 fn set_aside(temp: &Path) -> Option<PathBuf> {
     let aside = temp.with_extension("discarded");
-    match std::fs::rename(temp, &aside) {
+    match rename(temp, &aside) {
         Ok(()) => Some(aside),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => {
@@ -345,16 +390,61 @@ fn set_aside(temp: &Path) -> Option<PathBuf> {
     }
 }
 
-/// A written reservation that could not become an entry ([`DiskCache::commit`]).
+/// A written reservation that could not become an entry ([`Reservation::install`]).
 #[derive(Debug, thiserror::Error)]
 #[error("cannot rename the written cache file into place: {source}")]
 pub struct CommitError {
     /// Why the rename failed.
     #[source]
     pub source: std::io::Error,
-    /// The written file, set aside: delete it outside the lock
-    /// ([`Reservation::discard_evicted`]).
+    /// The written file, set aside: delete it ([`delete`]).
     pub doomed: Option<PathBuf>,
+}
+
+/// An entry found by [`DiskCache::lookup`]: open it outside the cache's lock
+/// ([`Found::open`]).
+#[derive(Debug, Clone)]
+pub struct Found {
+    /// Its shard.
+    pub shard: u32,
+    /// Its file.
+    pub path: PathBuf,
+    /// Its length.
+    pub len: u64,
+    /// False for an entry kept over a restart and not served since: check it first.
+    pub verified: bool,
+    /// Which entry it is ([`DiskCache::lost`]).
+    pub id: u64,
+}
+
+impl Found {
+    /// Opens the entry's file (outside the cache's lock: an open can block on a stalled
+    /// disk). An entry whose file is gone (deleted behind the source's back, or just now
+    /// evicted) is handed to `lost` ([`DiskCache::lost`]: it leaves the index, named in the
+    /// log, so the shard is read and cached again instead of passing through uncached for
+    /// good); one that cannot be opened for another reason (out of file descriptors or
+    /// memory, permissions) stays, and this FETCH reads the shard from the store.
+    pub fn open(self, lost: impl FnOnce(u32, u64)) -> Option<Hit> {
+        match File::open(&self.path) {
+            Ok(file) => Some(Hit {
+                file,
+                len: self.len,
+                verified: self.verified,
+                id: self.id,
+            }),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                tracing::warn!(file = %self.path.display(), error = %err,
+                    "a cache entry's file is gone; dropped from the cache, the shard is read again");
+                lost(self.shard, self.id);
+                None
+            }
+            Err(err) => {
+                tracing::warn!(file = %self.path.display(), error = %err,
+                    "a cache entry's file cannot be opened; kept, the shard is read from the store this time");
+                None
+            }
+        }
+    }
 }
 
 /// A served entry: its open file and whether it was checked since it was loaded.
@@ -366,6 +456,8 @@ pub struct Hit {
     pub len: u64,
     /// False for an entry kept over a restart and not served since: check it first.
     pub verified: bool,
+    /// Which entry it is ([`DiskCache::remove_cut_short`]).
+    pub id: u64,
 }
 
 /// One dataset's cache directory.
@@ -376,7 +468,19 @@ pub struct DiskCache {
     /// Bytes of entries plus reservations (shared with its claim).
     used: claims::Used,
     entries: HashMap<u32, Entry>,
+    /// The entries by when they were last written or served (`Entry::last`), oldest first:
+    /// [`DiskCache::reserve`] looks at the oldest only.
+    by_last: BTreeSet<(u64, u32)>,
+    /// The id of the next entry ([`Entry::id`]).
+    next_id: u64,
     reserved: HashMap<u32, u64>,
+    /// Shards whose entry left the index and whose file is still to be deleted, outside the
+    /// lock: not reserved again until it is ([`DiskCache::deleted`], or the commit or abort
+    /// of the reservation that evicted it).
+    going: HashSet<u32>,
+    /// Entries the last [`DiskCache::reserve`] looked at for room.
+    #[cfg(test)]
+    visited: usize,
     /// Accesses so far (every lookup and every reservation): the cache's clock.
     clock: u64,
     /// An entry no hint names and not served for more accesses than this many times the
@@ -416,18 +520,7 @@ impl DiskCache {
             source,
         };
         std::fs::create_dir_all(dir).map_err(io)?;
-        let mut cache = DiskCache {
-            dir: dir.to_path_buf(),
-            capacity,
-            used: claims::Used::default(),
-            entries: HashMap::new(),
-            reserved: HashMap::new(),
-            clock: 0,
-            cold_epochs: u64::MAX,
-            asked: Asked::default(),
-            claim: None,
-            gauge: metrics::Gauge::noop(),
-        };
+        let mut cache = DiskCache::empty(dir, capacity);
         let mut loaded = Loaded::default();
         for e in std::fs::read_dir(dir).map_err(io)? {
             let e = e.map_err(io)?;
@@ -443,15 +536,7 @@ impl DiskCache {
             match keep {
                 Some((s, (want, want_len))) if want == name && want_len == len => {
                     cache.hold(len);
-                    cache.entries.insert(
-                        s,
-                        Entry {
-                            name,
-                            len,
-                            verified: false,
-                            last: 0,
-                        },
-                    );
+                    cache.insert(s, name, len, false);
                     loaded.kept += 1;
                     loaded.kept_bytes += len;
                 }
@@ -466,6 +551,52 @@ impl DiskCache {
         Ok((cache, loaded))
     }
 
+    /// A cache of `dir` holding nothing yet.
+    fn empty(dir: &Path, capacity: u64) -> DiskCache {
+        DiskCache {
+            dir: dir.to_path_buf(),
+            capacity,
+            used: claims::Used::default(),
+            entries: HashMap::new(),
+            by_last: BTreeSet::new(),
+            next_id: 0,
+            reserved: HashMap::new(),
+            going: HashSet::new(),
+            #[cfg(test)]
+            visited: 0,
+            clock: 0,
+            cold_epochs: u64::MAX,
+            asked: Asked::default(),
+            claim: None,
+            gauge: metrics::Gauge::noop(),
+        }
+    }
+
+    /// Indexes `shard`'s entry `name` of `len` bytes (held already), served last now.
+    fn insert(&mut self, shard: u32, name: String, len: u64, verified: bool) {
+        let (id, last) = (self.next_id, self.clock);
+        self.next_id += 1;
+        let entry = Entry {
+            name,
+            len,
+            id,
+            verified,
+            last,
+        };
+        if let Some(old) = self.entries.insert(shard, entry) {
+            self.by_last.remove(&(old.last, shard)); // not expected: one entry per shard
+        }
+        self.by_last.insert((last, shard));
+    }
+
+    /// Takes `shard`'s entry out of the index (its bytes are still held: the caller
+    /// releases them).
+    fn unindex(&mut self, shard: u32) -> Option<Entry> {
+        let e = self.entries.remove(&shard)?;
+        self.by_last.remove(&(e.last, shard));
+        Some(e)
+    }
+
     /// Deletes kept entries, highest shard first (no hint says yet what is needed soonest),
     /// until they fit the capacity: a restart with a lower `cache_size` honours it.
     fn shrink_to_capacity(&mut self, loaded: &mut Loaded) -> Result<(), CacheError> {
@@ -473,7 +604,7 @@ impl DiskCache {
         shards.sort_unstable();
         while self.used.get() > self.capacity {
             let Some(s) = shards.pop() else { break };
-            let e = self.entries.remove(&s).expect("listed");
+            let e = self.unindex(s).expect("listed");
             delete_stale(&self.dir, self.dir.join(&e.name))?;
             self.release(e.len);
             loaded.kept -= 1;
@@ -506,34 +637,32 @@ impl DiskCache {
         }
     }
 
-    /// The cached entry of `shard`, opened. An entry whose file is gone (deleted behind the
-    /// source's back) leaves the index, named in the log, so the shard is read and cached
-    /// again instead of passing through uncached for good; one that cannot be opened for
-    /// another reason (out of file descriptors or memory, permissions) stays, and this
-    /// FETCH reads the shard from the store.
-    pub fn get(&mut self, shard: u32) -> Option<Hit> {
+    /// The cached entry of `shard`, to open outside the lock ([`Found::open`]): an open can
+    /// block on a stalled disk, and the dataset's other FETCHes, hints and reads wait for
+    /// this lock (before, the file was opened under it). It counts as served now.
+    pub fn lookup(&mut self, shard: u32) -> Option<Found> {
         self.tick(shard);
+        let clock = self.clock;
         let e = self.entries.get_mut(&shard)?;
-        e.last = self.clock;
-        match File::open(self.dir.join(&e.name)) {
-            Ok(file) => Some(Hit {
-                file,
-                len: e.len,
-                verified: e.verified,
-            }),
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
-                tracing::warn!(dir = %self.dir.display(), entry = %e.name, error = %err,
-                    "a cache entry's file is gone; dropped from the cache, the shard is read again");
-                let len = e.len;
-                self.entries.remove(&shard);
-                self.release(len);
-                None
-            }
-            Err(err) => {
-                tracing::warn!(dir = %self.dir.display(), entry = %e.name, error = %err,
-                    "a cache entry's file cannot be opened; kept, the shard is read from the store this time");
-                None
-            }
+        self.by_last.remove(&(e.last, shard));
+        self.by_last.insert((clock, shard));
+        e.last = clock;
+        Some(Found {
+            shard,
+            path: self.dir.join(&e.name),
+            len: e.len,
+            verified: e.verified,
+            id: e.id,
+        })
+    }
+
+    /// The file of `shard`'s entry `id` is gone ([`Found::open`]): the entry leaves the index
+    /// and its room is given back, unless another entry of the shard was written since.
+    pub fn lost(&mut self, shard: u32, id: u64) {
+        if self.entries.get(&shard).is_some_and(|e| e.id == id)
+            && let Some(e) = self.unindex(shard)
+        {
+            self.release(e.len);
         }
     }
 
@@ -584,10 +713,10 @@ impl DiskCache {
     }
 
     /// Takes `shard`'s entry out if it is still one not checked since a restart or a
-    /// [`Self::recheck`] (it failed its check; an entry written since, verified, stays). Its
-    /// file is renamed aside, as an evicted one ([`Self::evict`]): delete the path returned
-    /// outside the lock ([`Reservation::discard_evicted`]; unlinking a large file is slow).
-    #[must_use = "the file renamed aside is deleted by discard_evicted, or at the next start"]
+    /// [`Self::recheck`] (it failed its check; an entry written since, verified, stays), as
+    /// an evicted one ([`Self::evict`]): returns its file, to delete outside the lock
+    /// ([`delete`]: unlinking a large file is slow), then call [`Self::deleted`].
+    #[must_use = "the file is deleted by `delete`, then `deleted` lets the shard be cached again"]
     pub fn remove_unverified(&mut self, shard: u32) -> Option<PathBuf> {
         let verified = self.entries.get(&shard).is_none_or(|e| e.verified);
         if verified {
@@ -596,23 +725,31 @@ impl DiskCache {
         self.evict(shard)
     }
 
-    /// Takes `shard`'s entry out if its file is no longer `len` bytes long (an entry written
-    /// anew since, whole, stays); its file renamed aside, as by [`Self::remove_unverified`].
-    #[must_use = "the file renamed aside is deleted by discard_evicted, or at the next start"]
-    pub fn remove_if_not(&mut self, shard: u32, len: u64) -> Option<PathBuf> {
-        let e = self.entries.get(&shard)?;
-        let size = std::fs::metadata(self.dir.join(&e.name)).map(|m| m.len());
-        if size.ok() == Some(len) && e.len == len {
+    /// Takes `shard`'s entry `id` out (its file was found cut short: [`Hit::len`]) unless
+    /// another entry of the shard was written since; its file returned as by
+    /// [`Self::remove_unverified`]. (Before, it looked at the file's size again, under the
+    /// lock.)
+    #[must_use = "the file is deleted by `delete`, then `deleted` lets the shard be cached again"]
+    pub fn remove_cut_short(&mut self, shard: u32, id: u64) -> Option<PathBuf> {
+        let same = self.entries.get(&shard).is_some_and(|e| e.id == id);
+        if !same {
             return None;
         }
         self.evict(shard)
+    }
+
+    /// The file of `shard`'s entry taken out by [`Self::remove_unverified`] or
+    /// [`Self::remove_cut_short`] was deleted: the shard may be cached again.
+    pub fn deleted(&mut self, shard: u32) {
+        self.going.remove(&shard);
     }
 
     /// Makes room for `shard` (`len` bytes, entry `name`): admits it if it fits, or if cold
     /// entries (see [`Self::set_cold_after`]; no hint in `next_use` names them) can make room,
     /// which go, least recently served first. `None` when it should pass through uncached:
     /// evicting an entry that is still read would cost a GET when its turn comes, and this
-    /// shard was read already.
+    /// shard was read already; or while an old file of the shard is still being deleted.
+    /// Touches no file: the evicted ones are deleted by [`Reservation::discard_evicted`].
     pub fn reserve(
         &mut self,
         shard: u32,
@@ -621,31 +758,13 @@ impl DiskCache {
         next_use: impl Fn(u32) -> Option<usize>,
     ) -> Option<Reservation> {
         self.tick(shard);
-        if self.holds(shard) || len > self.capacity {
+        if self.holds(shard) || self.going.contains(&shard) || len > self.capacity {
             return None;
         }
         let mut evicted = Vec::new();
         if self.used.get() + len > self.capacity {
-            let (clock, cold_after) = (self.clock, self.cold_after());
-            let mut victims: Vec<(u64, u32, u64)> = self
-                .entries
-                .iter()
-                .filter(|&(&s, e)| clock - e.last > cold_after && next_use(s).is_none())
-                .map(|(&s, e)| (e.last, s, e.len))
-                .collect();
-            victims.sort_unstable();
-            let mut freed = 0;
             let need = self.used.get() + len - self.capacity;
-            for (_, s, l) in &victims {
-                if freed >= need {
-                    break;
-                }
-                evicted.push(*s);
-                freed += l;
-            }
-            if freed < need {
-                return None;
-            }
+            evicted = self.victims(need, &next_use)?;
         }
         let doomed = evicted.iter().filter_map(|&s| self.evict(s)).collect();
         self.hold(len);
@@ -660,59 +779,67 @@ impl DiskCache {
         })
     }
 
-    /// Takes `shard`'s entry out of the index and renames its file out of the way (a rename
-    /// is quick; the unlink waits for [`Reservation::discard_evicted`]), so the name is free
-    /// for a new entry at once; returns the file's new path (`None` if it was already gone).
-    fn evict(&mut self, shard: u32) -> Option<PathBuf> {
-        let e = self.entries.remove(&shard)?;
-        self.release(e.len);
-        let (live, doomed) = (
-            self.dir.join(&e.name),
-            self.dir.join(format!(".{}.evicted", e.name)),
-        );
-        match std::fs::rename(&live, &doomed) {
-            Ok(()) => Some(doomed),
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => None,
-            Err(err) => {
-                // Deleted now instead (the file would outlive its index entry and the size
-                // bound), or named.
-                tracing::warn!(file = %live.display(), error = %err, "evicting a cache entry: rename failed; deleting it in place");
-                unlink_or_say(&live);
-                None
+    /// The cold entries no hint names (`next_use`) that free `need` bytes, least recently
+    /// served first; `None` if those do not. Walks the entries from the least recently served
+    /// and stops at the first that is not cold (all after it were served later): a full cache
+    /// whose entries are all still read (one smaller than an epoch, in its steady state) pays
+    /// O(log entries) per shard passing through. Before, every reservation of a full cache
+    /// filtered and sorted all its entries, under the dataset's lock.
+    fn victims(&mut self, need: u64, next_use: &dyn Fn(u32) -> Option<usize>) -> Option<Vec<u32>> {
+        let (clock, cold_after) = (self.clock, self.cold_after());
+        let (mut victims, mut freed) = (Vec::new(), 0);
+        #[cfg(test)]
+        {
+            self.visited = 0;
+        }
+        for &(last, s) in &self.by_last {
+            if freed >= need || clock - last <= cold_after {
+                break;
+            }
+            #[cfg(test)]
+            {
+                self.visited += 1;
+            }
+            if next_use(s).is_none() {
+                victims.push(s);
+                freed += self.entries[&s].len;
             }
         }
+        (freed >= need).then_some(victims)
     }
 
-    /// The reserved entry was written to its temp file: it becomes an entry (verified: its
-    /// bytes were checked before they were written). If its file cannot be renamed into
-    /// place, its room is given back and the file is set aside ([`CommitError::doomed`]).
-    pub fn commit(&mut self, r: Reservation) -> Result<(), CommitError> {
+    /// Takes `shard`'s entry out of the index and gives its room back; returns its file, to
+    /// delete outside the lock (no disk operation runs under it), `None` if there was no
+    /// entry. The shard is not reserved again until that is done: a new file of it would
+    /// take the name of the one being deleted.
+    fn evict(&mut self, shard: u32) -> Option<PathBuf> {
+        let e = self.unindex(shard)?;
+        self.release(e.len);
+        self.going.insert(shard);
+        Some(self.dir.join(&e.name))
+    }
+
+    /// The reserved entry was written and renamed into place ([`Reservation::install`],
+    /// outside the lock): it becomes an entry (verified: its bytes were checked before they
+    /// were written), and the entries it evicted, whose files were deleted, may be cached
+    /// again.
+    pub fn commit(&mut self, r: Reservation) {
         self.reserved.remove(&r.shard);
-        if let Err(source) = std::fs::rename(&r.temp, self.dir.join(&r.name)) {
-            self.release(r.len);
-            let doomed = set_aside(&r.temp);
-            return Err(CommitError { source, doomed });
+        for s in &r.evicted {
+            self.going.remove(s);
         }
-        self.entries.insert(
-            r.shard,
-            Entry {
-                name: r.name,
-                len: r.len,
-                verified: true,
-                last: self.clock,
-            },
-        );
-        Ok(())
+        self.insert(r.shard, r.name, r.len, true);
     }
 
-    /// The reserved entry could not be written: its room is given back, and what was written
-    /// of it is set aside; returns that file's path, to delete outside the lock
-    /// ([`Reservation::discard_evicted`]: a partial write may be as large as a shard).
-    #[must_use = "the file set aside is deleted by discard_evicted, or at the next start"]
-    pub fn abort(&mut self, r: Reservation) -> Option<PathBuf> {
+    /// The reserved entry was not written or not renamed into place (its file set aside
+    /// outside the lock: [`Reservation::set_aside`], [`CommitError::doomed`]): its room is
+    /// given back, and the entries it evicted, whose files were deleted, may be cached again.
+    pub fn abort(&mut self, r: Reservation) {
         self.reserved.remove(&r.shard);
+        for s in &r.evicted {
+            self.going.remove(s);
+        }
         self.release(r.len);
-        set_aside(&r.temp)
     }
 
     /// Bytes held (entries and reservations).

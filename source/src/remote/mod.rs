@@ -378,10 +378,12 @@ impl RemoteDataset {
 
     /// The cached entry of `shard` as a payload; an entry kept over a restart, or one a node
     /// reported corrupt ([`Self::corrupt_reported`]), is checked against its CRC first (and
-    /// deleted if it fails).
-    async fn cached(&self, shard: u32) -> Option<Body> {
+    /// deleted if it fails). The cache's lock is held for its index only: the entry's file is
+    /// opened, measured and checked outside it (before, it was opened under it).
+    async fn cached(self: &Arc<Self>, shard: u32) -> Option<Body> {
         let cache = self.cache.as_ref()?;
-        let hit = cache.lock().expect("poisoned").get(shard)?;
+        let found = cache.lock().expect("poisoned").lookup(shard)?;
+        let hit = found.open(|s, id| cache.lock().expect("poisoned").lost(s, id))?;
         // A file cut short since it was written (a disk error, an operator) would end the
         // node's whole session mid-payload, again on every session it is sent to.
         let size = hit.file.metadata().map(|m| m.len());
@@ -392,8 +394,8 @@ impl RemoteDataset {
             let doomed = cache
                 .lock()
                 .expect("poisoned")
-                .remove_if_not(shard, hit.len);
-            discard(doomed).await;
+                .remove_cut_short(shard, hit.id);
+            self.discard(shard, doomed).await;
             return None;
         }
         if !hit.verified {
@@ -408,7 +410,7 @@ impl RemoteDataset {
                 tracing::warn!(dataset = %self.name, shard, want = format_args!("{want:#010x}"), %found,
                     "a cache entry failed its CRC check (kept over a restart, or reported corrupt by a node); deleted, reading the shard again");
                 let doomed = cache.lock().expect("poisoned").remove_unverified(shard);
-                discard(doomed).await;
+                self.discard(shard, doomed).await;
                 return None;
             }
             cache.lock().expect("poisoned").verified(shard);
@@ -417,6 +419,23 @@ impl RemoteDataset {
             file: Arc::new(hit.file),
             offset: 0,
         })
+    }
+
+    /// Deletes `doomed`, the file of `shard`'s entry taken out of the cache's index, on a
+    /// blocking thread (unlinking a large file can take a while, and a disk can stall: this
+    /// runs on the runtime's), then lets the cache take the shard again
+    /// ([`DiskCache::deleted`]), on that thread too: a FETCH cancelled meanwhile leaves no
+    /// shard that is never cached again.
+    async fn discard(self: &Arc<Self>, shard: u32, doomed: Option<std::path::PathBuf>) {
+        let Some(p) = doomed else { return };
+        let me = Arc::clone(self);
+        let _ = tokio::task::spawn_blocking(move || {
+            cache::delete(&p);
+            if let Some(c) = &me.cache {
+                c.lock().expect("poisoned").deleted(shard);
+            }
+        })
+        .await;
     }
 
     /// Registers a read of `shards` (none of them being read: the caller checked under the
@@ -551,7 +570,8 @@ impl RemoteDataset {
     /// Room in the cache for `shard` (`len` bytes), unless there is no cache, it does not
     /// admit the shard, or the bytes being written would pass [`Self::write_budget`] (unless
     /// none are: a shard larger than it is written alone). `st`: the state, locked (the cache
-    /// is locked after it, as everywhere).
+    /// is locked after it, as everywhere; neither lock is held across a disk operation: the
+    /// evicted entries' files are deleted by the write, [`Self::write_entry`]).
     fn reserve(&self, st: &State, shard: u32, len: u64) -> Option<Reservation> {
         let cache = self.cache.as_ref()?;
         if st.writing_bytes > 0 && st.writing_bytes + len > self.write_budget() {
@@ -572,37 +592,36 @@ impl RemoteDataset {
 
     /// Writes the reserved entry `r` of `parts` (on a blocking thread: [`Self::place`]): the
     /// entries it evicted are deleted, the file written (no `fsync`: see the module's head)
-    /// and committed. A write or commit that fails is logged, its room given back and its
-    /// file deleted: no partial entry stays (a crash leaves a `.partial` file, deleted at the
-    /// next start). Then the bytes leave memory ([`Self::written`]).
+    /// and renamed into place, all outside the cache's lock (a stalled disk holds this thread
+    /// only; before, the rename ran under the lock that every FETCH of the dataset takes),
+    /// and then committed. A write or rename that fails is logged, its room given back and
+    /// its file deleted: no partial entry stays (a crash leaves a `.partial` file, deleted at
+    /// the next start). Then the bytes leave memory ([`Self::written`]).
     fn write_entry(&self, r: Reservation, parts: Vec<Bytes>) {
         #[cfg(test)]
         self.write_gate.pass();
         let (shard, len) = (r.shard, r.len);
-        Reservation::discard_evicted(&r.doomed);
-        let wrote = write_parts(&r.temp, &parts);
+        r.discard_evicted();
+        let installed = match write_parts(&r.temp, &parts) {
+            Ok(()) => r.install().map_err(|e| (e.to_string(), e.doomed)),
+            Err(e) => Err((format!("{}: {e}", r.temp.display()), r.set_aside())),
+        };
+        let kept = installed.is_ok();
         let cache = self.cache.as_ref().expect("reserved in the cache");
-        let kept = {
-            let mut c = cache.lock().expect("poisoned");
-            match wrote {
-                Ok(()) => c.commit(r).map_err(|e| (e.to_string(), e.doomed)),
-                Err(e) => {
-                    let error = format!("{}: {e}", r.temp.display());
-                    Err((error, c.abort(r)))
-                }
+        let mut c = cache.lock().expect("poisoned");
+        if kept {
+            c.commit(r);
+        } else {
+            c.abort(r);
+        }
+        drop(c);
+        if let Err((error, doomed)) = installed {
+            tracing::warn!(dataset = %self.name, shard, %error,
+                "writing a cache entry failed; the shard is not cached (its FETCHes were served from memory)");
+            if let Some(p) = doomed {
+                cache::delete(&p);
             }
-        };
-        let kept = match kept {
-            Ok(()) => true,
-            Err((error, doomed)) => {
-                tracing::warn!(dataset = %self.name, shard, %error,
-                    "writing a cache entry failed; the shard is not cached (its FETCHes were served from memory)");
-                if let Some(p) = doomed {
-                    Reservation::discard_evicted(&[p]);
-                }
-                false
-            }
-        };
+        }
         drop(parts);
         self.written(shard, len, kept);
     }
@@ -801,14 +820,6 @@ impl Drop for Registered {
         st.prefetching -= self.prefetching;
         drop(st);
         self.dataset.wake.notify_one();
-    }
-}
-
-/// Deletes a cache file taken out of the index (renamed aside under the cache's lock) on a
-/// blocking thread: unlinking a large file can take a while, and this runs on the runtime's.
-async fn discard(doomed: Option<std::path::PathBuf>) {
-    if let Some(p) = doomed {
-        let _ = tokio::task::spawn_blocking(move || Reservation::discard_evicted(&[p])).await;
     }
 }
 

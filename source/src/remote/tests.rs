@@ -441,13 +441,78 @@ async fn an_entry_whose_bytes_a_node_reported_while_it_was_written_is_checked_be
         .unwrap()
         .lock()
         .unwrap()
-        .get(1)
+        .lookup(1)
         .expect("written");
     assert!(!hit.verified, "checked against its CRC before it is served");
     drop(hit);
     assert!(d.cached(1).await.is_some(), "its bytes are good: served");
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_commit_whose_rename_stalls_holds_up_no_fetch_of_a_cached_shard_and_no_read() {
+    let dir = cache_dir("stalled-rename");
+    let os = Arc::new(Gated::new());
+    os.open();
+    let d = dataset("stalled-rename", &os, Some(&dir)).await;
+    placed(&d, 0, vec![Bytes::from(d_bytes(0))]).await;
+    // The cache's disk stops answering while shard 1's write renames its file into place.
+    let stall = cache::stall::hold(&dir);
+    let write = d.place(1, vec![Bytes::from(d_bytes(1))]).expect("admitted");
+    until("the commit's rename waiting", || stall.waiting() == 1).await;
+    // Before, the rename ran under the cache's lock: a FETCH of a cached shard waited for
+    // it (`cached`), and so did the next shard read, holding the dataset's lock (`place`),
+    // each on one of the runtime's two threads.
+    let cache = d.cache.as_ref().expect("a cache");
+    assert!(
+        cache.try_lock().is_ok(),
+        "the cache's lock is free while its disk stalls"
+    );
+    let (body, how) = within("a FETCH of a cached shard", fetch(&d, 1, 0))
+        .await
+        .unwrap()
+        .expect("served");
+    assert!(matches!(body, Body::File { .. }) && how == Served::Cached);
+    assert_eq!(bytes_of(&body), d_bytes(0));
+    let next = d.place(2, vec![Bytes::from(d_bytes(2))]);
+    assert!(
+        next.is_some(),
+        "the next shard read is admitted to the cache"
+    );
+    assert_eq!(d.held_in(1), Some(HeldIn::Memory), "still being written");
+    assert!(!write.is_finished());
+    drop(stall);
+    write.await.unwrap();
+    next.expect("admitted").await.unwrap();
+    assert_eq!(d.held_in(1), Some(HeldIn::Cache));
+    assert_eq!(d.held_in(2), Some(HeldIn::Cache));
+    assert_eq!(entry_files(&dir).len(), 3);
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn unhinted_shards_in_memory_are_not_looked_at_while_half_the_budget_or_less_is_held() {
+    let os = Arc::new(Gated::new());
+    let mut d = dataset("drop-unhinted", &os, None).await;
+    Arc::get_mut(&mut d).expect("only reference").budget = 400;
+    let add = |s: u32| {
+        let mut st = d.state();
+        st.ready.insert(s, vec![Bytes::from(vec![s as u8; 100])]);
+        st.ready_bytes += 100;
+    };
+    add(0);
+    add(1);
+    // Half the budget held by shards no hint names: none is dropped, and (before: all
+    // were) none is looked at.
+    assert_eq!(d.drop_unhinted(&mut d.state()), 0, "shards looked at");
+    assert_eq!(d.state().ready.len(), 2);
+    // Past half of it, unhinted ones go until half is held.
+    add(2);
+    assert_eq!(d.drop_unhinted(&mut d.state()), 3, "shards looked at");
+    let st = d.state();
+    assert_eq!((st.ready.len(), st.ready_bytes), (2, 200));
 }
 
 /// A report drops from memory the bytes read and not sent, and names apart those of a copy

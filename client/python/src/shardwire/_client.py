@@ -415,6 +415,13 @@ def _connect(path: str) -> socket.socket:
     except OSError as e:
         sock.close()
         raise ConnectError(path, e.strerror or str(e)) from e
+    except BaseException:
+        # A KeyboardInterrupt in the blocking connect (up to CONNECT_LIMIT), or any other
+        # exception: the socket is no caller's yet, so it is closed here (before, it stayed
+        # open while the traceback held it, and a connection the node had taken sat there
+        # unattached until its request timeout).
+        sock.close()
+        raise
     return sock
 
 

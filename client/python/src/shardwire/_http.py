@@ -86,7 +86,7 @@ def connect_http(url: str, *, timeout: float = 10.0) -> HttpClient:
     Raises:
         ConnectError: nothing answers at `url` (the message names it), or the node refused the
             check (the message holds its code and message: e.g. ``forbidden`` for a request
-            over loopback addressed to a host name other than ``localhost``).
+            from the node's own host addressed to a host name other than ``localhost``).
         ValueError: `url` is not ``HOST:PORT`` / ``http://HOST:PORT`` (``https://`` included:
             the node's HTTP API is plain HTTP).
     """

@@ -22,7 +22,7 @@ not stack batches. Both modes resume through ``StatefulDataLoader`` (any ``num_w
 exactly: each process's ``state_dict()`` holds its stream's position after the last item it
 yielded, and ``load_state_dict()`` makes the node start there, with nothing replayed (a
 checkpoint saved after an epoch ended, resumed with ``set_epoch(epoch + 1)``, starts that
-epoch in full).
+epoch in full; a mixture's from the saved position, which holds every dataset's cursor).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from ._client import Client, Stream, _is_url, connect
 from ._cuda import CudaTensor
 from ._errors import ServiceError
 from ._http import HttpClient, HttpStream, _idle_timeout_s, _split
-from ._options import DATASET_NAMES, DATASET_REFUSED, StreamOptions, fill_doc
+from ._options import DATASET_NAMES, DATASET_REFUSED, StreamOptions, _as_int, _is_int, fill_doc
 from ._types import Uneven
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -164,14 +164,38 @@ def _dist_ranks() -> tuple[int, int] | None:
     return r, w
 
 
+def _check_pair(rank: int | None, world_size: int | None) -> None:
+    """ValueError when exactly one of `rank` and `world_size` is given: the other would come
+    from the DDP job, whose values are the global ones (with tensor or pipeline parallelism,
+    a data-parallel rank paired with the global size reads a part of the data only, silently)."""
+    if (rank is None) != (world_size is None):
+        raise ValueError(
+            f"rank={rank!r} and world_size={world_size!r}: pass both (the data-parallel rank and "
+            "size) or neither (both from torch.distributed, else RANK and WORLD_SIZE, else 0 "
+            "of 1); one alone would be paired with the DDP job's global value"
+        )
+
+
 def _ddp_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """(rank, world size) of this process: the given values, else the DDP job's
-    (:func:`_dist_ranks`), else 0 of 1."""
+    (:func:`_dist_ranks`), else 0 of 1.
+
+    Raises:
+        ValueError: only one of the two given (:func:`_check_pair`), or bad RANK/WORLD_SIZE.
+    """
+    _check_pair(rank, world_size)
     if rank is None or world_size is None:
-        found = _dist_ranks() or (0, 1)
-        rank = found[0] if rank is None else rank
-        world_size = found[1] if world_size is None else world_size
+        rank, world_size = _dist_ranks() or (0, 1)
     return rank, world_size
+
+
+def _epoch_arg(what: str, epoch: Any) -> int:
+    """`epoch` as an int, if it is an integer >= 0 (an int or a numpy integer; not a bool);
+    else ValueError naming `what` and the value (before, ``set_epoch(-1)`` opened other
+    epochs, and ``set_epoch(1.5)`` epoch 1)."""
+    if not _is_int(epoch) or _as_int(epoch) < 0:
+        raise ValueError(f"{what} must be an integer >= 0, not {epoch!r}")
+    return _as_int(epoch)
 
 
 def _worker() -> tuple[int, int]:
@@ -236,6 +260,7 @@ class _DatasetMixin:
         super().__init__()
         self.dataset = dataset
         self.socket = socket
+        _check_pair(rank, world_size)  # here, not only in a DataLoader worker
         self.rank = rank
         self.world_size = world_size
         self.copy = copy
@@ -280,7 +305,7 @@ class _DatasetMixin:
 
     @epoch.setter
     def epoch(self, value: int) -> None:
-        self._epoch.value = int(value)
+        self._epoch.value = _epoch_arg("IterableDataset.epoch", value)
 
     def __getstate__(self) -> dict[str, Any]:
         """The dataset as a DataLoader sends it to a worker process: with its DDP rank and
@@ -296,14 +321,17 @@ class _DatasetMixin:
             state["_epoch"] = _Epoch(self.epoch)
             return state
         self._pass_device(state)
-        if state["rank"] is None or state["world_size"] is None:
+        # Both given, or both left to the DDP job: one alone (set as an attribute since the
+        # dataset was made) is refused here, before any worker starts (before, the other was
+        # filled in from the job, its global value).
+        _check_pair(state["rank"], state["world_size"])
+        if state["rank"] is None:
             try:
                 found = _dist_ranks()
             except ValueError:
                 found = None  # said by the worker's own `__iter__`
             if found is not None:
-                state["rank"] = found[0] if state["rank"] is None else state["rank"]
-                state["world_size"] = found[1] if state["world_size"] is None else state["world_size"]
+                state["rank"], state["world_size"] = found
         return state
 
     def _pass_device(self, state: dict[str, Any]) -> None:
@@ -354,12 +382,17 @@ class _DatasetMixin:
         the next item resumes at the start of `epoch`. ``StatefulDataLoader`` loads a saved
         state after ``set_epoch`` (with ``num_workers=0``, even the state of an iteration that
         had ended): see :meth:`load_state_dict` for which of the two the next iteration
-        follows."""
-        if int(epoch) != self.epoch:
-            self._resume = None  # a later epoch wins over where an earlier one stopped
+        follows.
+
+        Raises:
+            ValueError: `epoch` is not an integer >= 0.
+        """
+        epoch = _epoch_arg("set_epoch's epoch", epoch)
+        if epoch != self.epoch:
+            self._move_resume(epoch)  # another epoch wins over where this one stopped
         self._named += 1
         self._own_epoch = None
-        self.epoch = int(epoch)
+        self.epoch = epoch
         # What `state_dict` says until the next item: where the next iteration starts (the
         # same epoch named again keeps a resume point, which a checkpoint must name too).
         self._stream_state, self._state_epoch = self._resume, self._resume_epoch
@@ -383,7 +416,10 @@ class _DatasetMixin:
         there; nothing is replayed or skipped here. A state saved after the last item of its
         iteration resumes to nothing (its epochs are done), unless :meth:`set_epoch` has named
         a later epoch: then that epoch wins and is delivered in full (the usual loop saves
-        after an epoch ends and resumes with ``set_epoch(e + 1)``). Until the next item,
+        after an epoch ends and resumes with ``set_epoch(e + 1)``, in either order). A
+        mixture's state that lies exactly at the start of that epoch is kept and resumed
+        from: it holds every dataset's cursor, so each dataset continues from it (under the
+        weights given now, if they changed); see :meth:`_keeps`. Until the next item,
         :meth:`state_dict` returns the position loaded here. In shard mode the saved stream is
         this process's own (one rank of ``world_size * num_workers``): resume with the same
         world size and ``num_workers``, or the node refuses (``ServiceError``
@@ -391,7 +427,8 @@ class _DatasetMixin:
 
         Raises:
             ValueError: `state` is not a dict with keys ``"epoch"`` and ``"stream"`` (e.g. a
-                stream's own ``Stream.state_dict()``).
+                stream's own ``Stream.state_dict()``), or its ``"epoch"`` is not an integer
+                >= 0.
         """
         if not isinstance(state, dict) or "epoch" not in state or "stream" not in state:
             got = f"a dict of keys {list(state)}" if isinstance(state, dict) else f"a {type(state).__name__}"
@@ -402,12 +439,16 @@ class _DatasetMixin:
                 "Client.open_stream(state=...), or goes here as {'epoch': <the epoch the "
                 "iteration started at>, 'stream': <it>}"
             )
-        epoch, stream = int(state["epoch"]), state["stream"]
+        epoch = _epoch_arg("load_state_dict's state['epoch']", state["epoch"])
+        stream = state["stream"]
         self._named += 1
         if stream is not None and self.epoch > epoch and self._ended(epoch, stream):
             # StatefulDataLoader (num_workers=0) loads the state of a finished iteration too,
-            # after `set_epoch` named the next one: that epoch starts whole.
-            self._resume = self._stream_state = None
+            # after `set_epoch` named the next one: that epoch starts whole, from this state
+            # where it is a mixture's at that epoch's start (its cursors), else from a probe.
+            kept = stream if self._keeps(self.epoch, stream) else None
+            self._resume = self._stream_state = kept
+            self._resume_epoch = self._state_epoch = self.epoch
             return
         if os.getpid() == self._owner:
             self.epoch = epoch
@@ -438,6 +479,35 @@ class _DatasetMixin:
         if not _is_url(socket):
             raise ValueError(_IDLE_ON_SOCKET.format(self.idle_timeout))
         _split(socket)  # before, an https:// URL was refused only in a DataLoader worker
+
+    def _keeps(self, epoch: int, stream: Any) -> bool:
+        """True if `stream`, a position saved in an iteration of another epoch, is kept as the
+        start of `epoch`, the epoch :meth:`set_epoch` named (which otherwise wins over it, and
+        opens from a probe's ``{epoch, index: 0}``): a mixture's position exactly at that
+        epoch's start (index below the worker count, none of the epoch taken). It holds every
+        dataset's cursor, and the node resumes each dataset from it (under the weights given
+        now, if they changed); from a probe's state the node replays the schedule from its
+        start under the weights given now, which repeats and skips samples where they changed
+        (``{web: .5, code: .5}`` for an epoch, then ``.75 / .25``: web's second quarter never
+        comes, code's second half twice). Other states are not kept: a probe gives the same
+        start for them, and leaves free what such a state pins (the seed, the dataset's
+        shards; in shard mode the world size and ``num_workers``) at an epoch boundary."""
+        return (
+            isinstance(stream, dict)
+            and isinstance(stream.get("mix"), dict)
+            and self.options.batch_size is not None
+            and _is_int(stream.get("epoch"))
+            and _as_int(stream["epoch"]) == epoch
+            and not self._inside(stream)
+        )
+
+    def _move_resume(self, epoch: int) -> None:
+        """Makes `_resume` that of the next iteration, which starts at `epoch`, another epoch
+        than the one it was saved in: kept where :meth:`_keeps` says, else dropped."""
+        if self._resume is not None and self._keeps(epoch, self._resume):
+            self._resume_epoch = epoch
+        else:
+            self._resume = None
 
     def _ended(self, epoch: int, stream: dict[str, Any]) -> bool:
         """True if `stream`, a position saved in the iteration that started at `epoch`, lies at
@@ -492,7 +562,7 @@ class _DatasetMixin:
     def _start(self) -> tuple[dict[str, Any] | None, int]:
         """Where the next iteration starts (None: its epoch's start) and its epoch."""
         if self._resume is not None and self._resume_epoch != self.epoch:
-            self._resume = None  # saved before `set_epoch` named another epoch
+            self._move_resume(self.epoch)  # saved before `set_epoch` named another epoch
         return self._resume, self.epoch
 
     def _iterate(
@@ -663,11 +733,12 @@ _DOC = """A ``torch.utils.data.IterableDataset`` of one shardwire dataset.
             item costs one request more than ``HttpStream.next`` (the stream's state, ``GET
             /v1/streams/{id}/state``, kept for ``state_dict()``).
         rank, world_size: the **data-parallel** rank and size: ranks given the same rank get
-            the same items. Default from ``torch.distributed`` if initialised, else from
-            ``RANK`` and ``WORLD_SIZE`` (torchrun's), else 0 of 1: the global rank, right for
-            plain DDP/FSDP only. With tensor or pipeline parallelism the ranks of one
-            model-parallel group must see the same batch: pass the data-parallel ones (e.g.
-            Megatron's ``mpu.get_data_parallel_rank()`` and
+            the same items. Give both or neither (one alone raises ValueError: the other
+            would be the DDP job's global value). Default from ``torch.distributed`` if
+            initialised, else from ``RANK`` and ``WORLD_SIZE`` (torchrun's), else 0 of 1: the
+            global rank, right for plain DDP/FSDP only. With tensor or pipeline parallelism
+            the ranks of one model-parallel group must see the same batch: pass the
+            data-parallel ones (e.g. Megatron's ``mpu.get_data_parallel_rank()`` and
             ``mpu.get_data_parallel_world_size()``, or your device mesh's ``"dp"`` dimension),
             else each such rank gets other samples and nothing says so. DataLoader workers
             started with spawn or forkserver get those of the process that started them, and

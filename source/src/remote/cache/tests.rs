@@ -35,14 +35,23 @@ fn name(shard: u32) -> String {
     )
 }
 
-/// Stores `shard` (100 bytes) if the cache admits it; returns the evicted shards.
+/// Stores `shard` (100 bytes) if the cache admits it, as `RemoteDataset::write_entry` does;
+/// returns the evicted shards.
 fn put(c: &mut DiskCache, shard: u32, uses: &HashMap<u32, usize>) -> Option<Vec<u32>> {
     let r = c.reserve(shard, name(shard), 100, |s| uses.get(&s).copied())?;
-    Reservation::discard_evicted(&r.doomed);
+    r.discard_evicted();
     std::fs::write(&r.temp, [shard as u8; 100]).unwrap();
+    r.install().unwrap();
     let evicted = r.evicted.clone();
-    c.commit(r).unwrap();
+    c.commit(r);
     Some(evicted)
+}
+
+/// `shard`'s entry, looked up and opened as `RemoteDataset::cached` does (the lookup under
+/// the cache's lock, the open outside it).
+fn get(c: &mut DiskCache, shard: u32) -> Option<Hit> {
+    let found = c.lookup(shard)?;
+    found.open(|s, id| c.lost(s, id))
 }
 
 #[test]
@@ -60,9 +69,9 @@ fn entries_still_read_stay_and_cold_ones_make_way_least_recently_served_first() 
     assert_eq!(put(&mut c, 3, &uses), None, "no entry is cold yet");
     // 0 and 2 are served now and then; 1 is not, but a hint names it.
     for _ in 0..12 {
-        c.get(0).unwrap();
-        c.get(2).unwrap();
-        assert!(c.get(9).is_none());
+        get(&mut c, 0).unwrap();
+        get(&mut c, 2).unwrap();
+        assert!(get(&mut c, 9).is_none());
     }
     assert_eq!(
         put(&mut c, 3, &uses),
@@ -72,9 +81,9 @@ fn entries_still_read_stay_and_cold_ones_make_way_least_recently_served_first() 
     uses.remove(&1);
     assert_eq!(put(&mut c, 3, &uses), Some(vec![1]), "1 is cold now");
     for _ in 0..12 {
-        c.get(9);
+        get(&mut c, 9);
     }
-    c.get(2).unwrap();
+    get(&mut c, 2).unwrap();
     assert_eq!(
         put(&mut c, 4, &uses),
         Some(vec![0]),
@@ -82,7 +91,7 @@ fn entries_still_read_stay_and_cold_ones_make_way_least_recently_served_first() 
     );
     assert!(c.holds(2) && c.holds(3) && c.holds(4) && !c.holds(0) && !c.holds(1));
     assert_eq!(c.used(), 300);
-    let hit = c.get(4).unwrap();
+    let hit = get(&mut c, 4).unwrap();
     assert!(hit.verified);
     assert_eq!(hit.len, 100);
 }
@@ -100,7 +109,7 @@ fn a_cache_larger_than_the_hints_horizon_keeps_its_slice_over_epochs() {
             let s = (i * 7 + epoch * 13) % 40; // another order each epoch
             let uses: HashMap<u32, usize> =
                 (0..4).map(|k| ((s + k * 7) % 40, k as usize)).collect();
-            if c.get(s).is_some() {
+            if get(&mut c, s).is_some() {
                 hits += u32::from(epoch > 0);
             } else {
                 let _ = put(&mut c, s, &uses);
@@ -112,7 +121,7 @@ fn a_cache_larger_than_the_hints_horizon_keeps_its_slice_over_epochs() {
     // cold and make way.
     for _ in 0..20 {
         for s in 40..60u32 {
-            if c.get(s).is_none() {
+            if get(&mut c, s).is_none() {
                 let _ = put(&mut c, s, &HashMap::from([(s, 0)]));
             }
         }
@@ -140,7 +149,7 @@ fn with_no_hints_the_first_slice_stays_from_epoch_to_epoch() {
     let mut hits = 0;
     for _epoch in 0..2 {
         for s in 0..5 {
-            if c.get(s).is_some() {
+            if get(&mut c, s).is_some() {
                 hits += 1;
             } else {
                 let _ = put(&mut c, s, &none);
@@ -173,9 +182,9 @@ fn a_restart_keeps_entries_the_manifest_still_names() {
     assert_eq!(loaded.kept, 1);
     assert_eq!(loaded.kept_bytes, 100);
     assert_eq!(loaded.removed.len(), 3, "{:?}", loaded.removed);
-    let hit = c.get(0).unwrap();
+    let hit = get(&mut c, 0).unwrap();
     assert!(!hit.verified, "a kept entry is checked on its first serve");
-    assert!(c.get(1).is_none() && c.get(2).is_none());
+    assert!(get(&mut c, 1).is_none() && get(&mut c, 2).is_none());
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
 }
 
@@ -230,7 +239,7 @@ fn a_restart_with_a_lower_cache_size_deletes_down_to_it() {
     assert_eq!((loaded.kept, loaded.kept_bytes, c.used()), (2, 200, 200));
     assert_eq!(loaded.over_size, vec![name(4), name(3), name(2)]);
     assert!(loaded.removed.is_empty(), "{:?}", loaded.removed);
-    assert!(c.get(0).is_some() && c.get(1).is_some() && c.get(2).is_none());
+    assert!(get(&mut c, 0).is_some() && get(&mut c, 1).is_some() && get(&mut c, 2).is_none());
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
 }
 
@@ -240,11 +249,11 @@ fn an_entry_whose_file_went_leaves_the_index_and_its_room() {
     let (mut c, _) = DiskCache::open(dir.path(), 1000, |_| None).unwrap();
     put(&mut c, 3, &HashMap::new()).unwrap();
     std::fs::remove_file(dir.path().join(name(3))).unwrap();
-    assert!(c.get(3).is_none());
+    assert!(get(&mut c, 3).is_none());
     assert!(!c.holds(3), "the shard can be cached again");
     assert_eq!((c.used(), c.len()), (0, 0));
     put(&mut c, 3, &HashMap::new()).expect("admitted again");
-    assert!(c.get(3).is_some());
+    assert!(get(&mut c, 3).is_some());
 }
 
 #[test]
@@ -257,7 +266,7 @@ fn an_entry_that_cannot_be_opened_for_another_reason_stays() {
     let path = dir.path().join(name(3));
     std::fs::remove_file(&path).unwrap();
     std::os::unix::fs::symlink(&path, &path).unwrap();
-    assert!(c.get(3).is_none(), "not served");
+    assert!(get(&mut c, 3).is_none(), "not served");
     assert!(c.holds(3), "the entry stays in the index");
     assert_eq!((c.used(), c.len()), (100, 1));
     assert!(std::fs::symlink_metadata(&path).is_ok(), "and on disk");
@@ -274,31 +283,43 @@ fn a_failed_check_deletes_only_an_entry_not_checked_since_a_restart() {
     put(&mut c, 1, &HashMap::new()).unwrap();
     assert!(c.remove_unverified(1).is_none());
     assert!(
-        c.get(1).is_some(),
+        get(&mut c, 1).is_some(),
         "written since the restart: verified, kept"
     );
-    // Renamed aside under the cache's lock (before, unlinked there, on the runtime's thread);
-    // deleted after, outside it.
+    // Taken out of the index under the cache's lock; its file is deleted after, outside it
+    // (before, it was renamed aside, or unlinked, under the lock).
     let doomed = c.remove_unverified(0).expect("taken out");
-    assert!(c.get(0).is_none() && !dir.path().join(name(0)).exists());
+    assert!(get(&mut c, 0).is_none());
     assert_eq!((c.used(), c.len()), (100, 1));
-    assert!(doomed.exists(), "the unlink waits for discard_evicted");
-    Reservation::discard_evicted(std::slice::from_ref(&doomed));
+    assert_eq!(doomed, dir.path().join(name(0)));
+    assert!(doomed.exists(), "deleted outside the lock");
+    assert!(
+        c.reserve(0, name(0), 100, |_| None).is_none(),
+        "not cached again while its old file is deleted"
+    );
+    delete(&doomed);
+    c.deleted(0);
     assert!(!doomed.exists());
     assert!(c.remove_unverified(0).is_none(), "gone already");
+    put(&mut c, 0, &HashMap::new()).expect("cached again");
 }
 
 #[test]
-fn an_entry_cut_short_is_renamed_aside_and_a_whole_one_stays() {
+fn an_entry_cut_short_is_taken_out_and_one_written_anew_since_stays() {
     let dir = tempdir();
     let (mut c, _) = DiskCache::open(dir.path(), 1000, |_| None).unwrap();
     put(&mut c, 2, &HashMap::new()).unwrap();
-    assert!(c.remove_if_not(2, 100).is_none(), "whole: kept");
+    let cut = get(&mut c, 2).expect("cached").id;
     std::fs::write(dir.path().join(name(2)), b"short").unwrap();
-    let doomed = c.remove_if_not(2, 100).expect("cut short: taken out");
+    let doomed = c.remove_cut_short(2, cut).expect("cut short: taken out");
     assert!(!c.holds(2) && c.used() == 0);
-    Reservation::discard_evicted(std::slice::from_ref(&doomed));
+    delete(&doomed);
+    c.deleted(2);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    // Read and cached again, whole, while another FETCH found the old entry cut short.
+    put(&mut c, 2, &HashMap::new()).expect("cached again");
+    assert!(c.remove_cut_short(2, cut).is_none(), "written anew: kept");
+    assert!(c.holds(2) && get(&mut c, 2).is_some_and(|h| h.id != cut));
 }
 
 #[test]
@@ -315,7 +336,7 @@ fn entries_no_longer_asked_for_go_cold_within_epochs_of_this_caches_own_traffic(
     let mut epoch = |slice: std::ops::Range<u32>| {
         let mut misses = 0;
         for s in slice {
-            if c.get(s).is_none() {
+            if get(&mut c, s).is_none() {
                 misses += 1;
                 let _ = put(&mut c, s, &none);
             }
@@ -367,7 +388,7 @@ fn a_stale_file_that_cannot_be_deleted_is_named() {
 }
 
 #[test]
-fn an_evicted_file_is_renamed_aside_under_the_lock_and_deleted_after() {
+fn an_evicted_file_is_deleted_outside_the_lock_and_its_shard_waits_for_that() {
     let dir = tempdir();
     let (mut c, _) = DiskCache::open(dir.path(), 200, |_| None).unwrap();
     c.set_cold_after(0);
@@ -378,20 +399,71 @@ fn an_evicted_file_is_renamed_aside_under_the_lock_and_deleted_after() {
         .reserve(2, name(2), 100, |s| uses.get(&s).copied())
         .unwrap();
     assert_eq!(r.evicted, vec![1]);
+    assert!(!c.holds(1) && c.used() == 200, "out of the index");
+    // Before, `reserve` renamed it aside, under the lock the dataset's FETCHes take.
+    assert_eq!(r.doomed, [dir.path().join(name(1))]);
+    assert!(r.doomed[0].exists(), "no file touched under the lock");
+    // A new file of shard 1 would take the name of the one about to be deleted.
     assert!(
-        !dir.path().join(name(1)).exists(),
-        "its name is free at once"
+        c.reserve(1, name(1), 100, |_| None).is_none(),
+        "not cached again until its old file is gone"
     );
-    assert_eq!(r.doomed.len(), 1);
-    assert!(r.doomed[0].exists(), "the unlink waits for discard_evicted");
-    Reservation::discard_evicted(&r.doomed);
+    r.discard_evicted();
     assert!(!r.doomed[0].exists());
-    Reservation::discard_evicted(&r.doomed); // already gone: no error
+    r.discard_evicted(); // already gone: no error
     std::fs::write(&r.temp, [2u8; 100]).unwrap();
-    c.commit(r).unwrap();
+    r.install().unwrap();
+    c.commit(r);
     assert_eq!(c.used(), 200);
+    let again = c.reserve(1, name(1), 100, |_| None);
+    let again = again.expect("cached again once its old file is gone");
+    assert_eq!(again.evicted, vec![0], "least recently served first");
+    again.discard_evicted();
+    c.abort(again);
     let (_, loaded) = DiskCache::open(dir.path(), 200, |s| Some((name(s), 100))).unwrap();
-    assert_eq!(loaded.kept, 2);
+    assert_eq!(loaded.kept, 1, "{loaded:?}");
+}
+
+#[test]
+fn room_is_looked_for_among_the_cold_entries_only_least_recently_served_first() {
+    // Entries are indexed only (no files: victims are chosen in the index).
+    let dir = tempdir();
+    let n = 10_000u32;
+    let (mut c, _) = DiskCache::open(dir.path(), u64::from(n) * 100, |_| None).unwrap();
+    c.set_cold_after(1);
+    for s in 0..n {
+        let r = c.reserve(s, name(s), 100, |_| None).expect("fits");
+        c.commit(r);
+    }
+    // Full, every entry served lately: the next shard passes through, and no entry was
+    // looked at (before, all 10 000 were, under the dataset's lock, for every shard read).
+    assert!(c.reserve(n, name(n), 100, |_| None).is_none());
+    assert_eq!(c.visited, 0, "entries looked at");
+    // All but 0, 1 and 2 are served again: those three go cold. A hint names 1.
+    for _ in 0..2 {
+        for s in 3..n {
+            c.lookup(s).expect("cached");
+        }
+    }
+    let uses = HashMap::from([(1, 0)]);
+    let next_use = |s: u32| uses.get(&s).copied();
+    assert!(
+        c.reserve(n, name(n), 300, next_use).is_none(),
+        "two cold entries no hint names hold 200 bytes, not 300"
+    );
+    assert_eq!(
+        c.visited, 3,
+        "the cold ones, and the first warm one stops the walk"
+    );
+    assert!((0..3).all(|s| c.holds(s)), "nothing evicted");
+    let r = c.reserve(n, name(n), 200, next_use).expect("room");
+    assert_eq!(
+        r.evicted,
+        vec![0, 2],
+        "least recently served first, 1 hinted"
+    );
+    assert_eq!(c.visited, 3);
+    assert!(c.holds(1) && c.holds(3));
 }
 
 #[test]
@@ -404,8 +476,8 @@ fn an_aborted_write_gives_its_room_back() {
         c.reserve(1, name(1), 100, |_| Some(0)).is_none(),
         "no room while reserved"
     );
-    let doomed = c.abort(r);
-    assert_eq!(doomed, None, "nothing was written");
+    assert_eq!(r.set_aside(), None, "nothing was written");
+    c.abort(r);
     assert_eq!(c.used(), 0);
     assert!(!c.holds(0));
     assert!(c.reserve(1, name(1), 100, |_| None).is_some());
@@ -418,9 +490,11 @@ fn a_partial_write_is_set_aside_under_the_lock_and_deleted_outside_it() {
     let r = c.reserve(0, name(0), 100, |_| None).unwrap();
     let temp = r.temp.clone();
     std::fs::write(&temp, [0u8; 60]).unwrap(); // the disk filled up here
-    let doomed = c.abort(r).expect("the partial file, set aside");
-    // Before, `abort` unlinked it under the cache's lock (a shard-sized file: slow).
-    assert!(doomed.exists(), "the unlink waits for discard_evicted");
+    let doomed = r.set_aside().expect("the partial file, set aside");
+    c.abort(r);
+    // Before, `abort` unlinked it under the cache's lock (a shard-sized file: slow), and
+    // then renamed it aside there; both run outside the lock now.
+    assert!(doomed.exists(), "the unlink waits for `delete`");
     assert!(!temp.exists(), "the temp name is free at once");
     assert!(is_cache_file(
         &doomed.file_name().unwrap().to_string_lossy()
@@ -429,10 +503,11 @@ fn a_partial_write_is_set_aside_under_the_lock_and_deleted_outside_it() {
     // A new reservation of the same entry writes and commits its temp file meanwhile.
     let again = c.reserve(0, name(0), 100, |_| None).unwrap();
     std::fs::write(&again.temp, [0u8; 100]).unwrap();
-    c.commit(again).unwrap();
-    Reservation::discard_evicted(std::slice::from_ref(&doomed));
+    again.install().unwrap();
+    c.commit(again);
+    delete(&doomed);
     assert!(!doomed.exists());
-    assert_eq!(c.get(0).expect("kept").len, 100);
+    assert_eq!(get(&mut c, 0).expect("kept").len, 100);
 }
 
 #[test]
@@ -446,13 +521,14 @@ fn a_commit_that_cannot_rename_sets_the_file_aside_and_gives_its_room_back() {
     std::fs::create_dir(&blocker).unwrap();
     std::fs::write(blocker.join("x"), b"x").unwrap();
     let temp = r.temp.clone();
-    let e = c.commit(r).expect_err("the rename fails");
+    let e = r.install().expect_err("the rename fails");
+    c.abort(r);
     let doomed = e.doomed.expect("the written file, set aside");
     // Before, `commit` unlinked it under the cache's lock.
     assert!(doomed.exists() && !temp.exists());
     assert_eq!(c.used(), 0);
     assert!(!c.holds(0));
-    Reservation::discard_evicted(std::slice::from_ref(&doomed));
+    delete(&doomed);
     assert!(!doomed.exists());
 }
 
@@ -491,7 +567,7 @@ fn a_cache_larger_than_the_disk_is_refused_at_open() {
 fn epoch_of(c: &mut DiskCache, slice: std::ops::Range<u32>) -> usize {
     let mut misses = 0;
     for s in slice {
-        if c.get(s).is_none() {
+        if get(c, s).is_none() {
             misses += 1;
             let _ = put(c, s, &HashMap::new());
         }
@@ -658,20 +734,20 @@ fn the_cache_bytes_gauge_is_per_dataset_set_at_open_and_at_every_change() {
     assert_eq!(value.get(), 300.0, "the entries kept at open");
     let r = c.reserve(5, name(5), 100, |_| None).unwrap();
     assert_eq!(value.get(), 400.0, "a reservation");
-    assert_eq!(c.abort(r), None);
+    c.abort(r);
     assert_eq!(value.get(), 300.0, "an aborted write");
     std::fs::remove_file(dir.path().join(name(1))).unwrap();
-    assert!(c.get(1).is_none());
+    assert!(get(&mut c, 1).is_none());
     assert_eq!(value.get(), 200.0, "an entry whose file went");
     let doomed = c
         .remove_unverified(0)
         .expect("not checked since the restart");
     assert_eq!(value.get(), 100.0, "an entry that failed its check");
-    Reservation::discard_evicted(&[doomed]);
-    std::fs::write(dir.path().join(name(2)), b"short").unwrap();
-    let doomed = c.remove_if_not(2, 100).expect("cut short");
+    delete(&doomed);
+    let cut = get(&mut c, 2).expect("cached").id;
+    let doomed = c.remove_cut_short(2, cut).expect("cut short");
     assert_eq!(value.get(), 0.0, "an entry cut short");
-    Reservation::discard_evicted(&[doomed]);
+    delete(&doomed);
     put(&mut c, 6, &HashMap::new()).unwrap();
     assert_eq!(value.get(), 100.0, "a commit");
     assert_eq!(value.get(), c.used() as f64);

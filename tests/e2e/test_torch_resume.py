@@ -1,0 +1,239 @@
+"""``shardwire.torch.IterableDataset`` without a node: no binary, no socket (torch only where
+a test says so; the dataset's torch-free body, ``_DatasetMixin``, is what is tested).
+
+- A mixture's state saved at the end of epoch ``e`` (the start of ``e + 1``) is resumed from,
+  not replaced by a probe, when the loop names ``e + 1`` (``set_epoch`` before or after
+  ``load_state_dict``): it holds every dataset's cursor, which a probe's ``{epoch, index: 0}``
+  does not (the node replays the schedule from its start under the weights given now, which
+  repeats and skips samples where they changed). Other states are replaced as before.
+- ``rank=`` without ``world_size=`` (or the other way round) is a ValueError naming both,
+  when the dataset is made and when it is sent to a spawned worker.
+- ``set_epoch`` and ``load_state_dict``'s ``state["epoch"]`` take integers >= 0 only.
+- ``_connect`` closes its socket when an interrupt lands in it.
+
+The attach requests are captured where they would go out (``Stream._open``), as in
+test_sdk_options.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.context
+import pathlib
+import socket
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "client" / "python" / "src"))
+
+import shardwire  # noqa: E402
+import shardwire.torch as swt  # noqa: E402
+from shardwire import _client  # noqa: E402
+
+import test_sdk_options  # noqa: E402
+
+MIX = {"web": 0.75, "code": 0.25}
+#: A probe's state (FakeStream.state_dict): a stream that delivered nothing.
+PROBE = {"epoch": 0, "index": 0, "cursor": 0, "partitions": 1, "shuffle_block": 100, "seed": 0, "fingerprint": "m1;fp"}
+
+
+def mix_state(epoch: int, index: int, step: int, cursors: list[int]) -> dict[str, Any]:
+    """A mixture's stream state as the node sends it: saved under weights .5 / .5."""
+    mix = {"step": step, "datasets": ["web", "code"], "weights": [1 << 39, 1 << 39], "cursors": cursors, "carry": [0, 0]}
+    return {**PROBE, "epoch": epoch, "index": index, "mix": mix}
+
+
+#: Epoch 0 (250 steps of 8, 1000 samples of each dataset) delivered in full under .5 / .5:
+#: the position after its last batch, the start of epoch 1.
+END_OF_0 = mix_state(1, 0, 250, [1000, 1000])
+
+
+class FakeStream(test_sdk_options.FakeStream):
+    """A stream with no batches, a fingerprint (a probe's) and a mixture's probe state."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(PROBE)
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The attach requests of the dataset's streams, captured instead of sent (each answered
+    with a FakeStream); the main process, DDP rank 0 of 1 unless a test says otherwise."""
+    reqs: list[dict[str, Any]] = []
+
+    def sock_open(cls: Any, path: str, req: dict[str, Any], auto_device: bool = False) -> FakeStream:
+        reqs.append(req)
+        return FakeStream()
+
+    monkeypatch.setattr(_client.Stream, "_open", classmethod(sock_open))
+    monkeypatch.setattr(swt, "connect", lambda socket: shardwire.Client("/nonexistent/trainer.sock"))
+    monkeypatch.setattr(swt, "_worker", lambda: (0, 1))
+    return reqs
+
+
+def mixture(**kw: Any) -> Any:
+    return swt._DatasetMixin(MIX, socket="/nonexistent", batch_size=8, rank=0, world_size=1, **kw)
+
+
+def opened(sent: list[dict[str, Any]]) -> list[tuple[int, Any]]:
+    """(epochs, state) of each attach request."""
+    return [(r["epochs"], r["state"]) for r in sent]
+
+
+# --- a mixture's state at the next epoch's start -------------------------------------------
+
+
+@pytest.mark.parametrize("set_epoch_first", [True, False], ids=["set_epoch-then-load", "load-then-set_epoch"])
+def test_a_mixture_state_at_the_next_epoch_s_start_is_resumed_from_not_probed(sent, set_epoch_first):
+    """The usual loop resumed with new weights (.75 / .25): the stream opens at the saved
+    state, whose cursors (1000, 1000) the node continues from. Before, the state was dropped
+    and a probe's ``{epoch: 1, index: 0}`` without them opened the stream: the node replayed
+    epoch 0 under .75 / .25 (cursors 1500 / 500), so web's [1000, 1500) never came and code's
+    [500, 1000) came twice."""
+    ds = mixture()
+    saved = {"epoch": 0, "stream": END_OF_0}
+    if set_epoch_first:  # StatefulDataLoader's order: it loads the state at iter(loader)
+        ds.set_epoch(1)
+        ds.load_state_dict(saved)
+    else:  # the dataset's own load_state_dict, then the loop's set_epoch
+        ds.load_state_dict(saved)
+        ds.set_epoch(1)
+    assert ds.state_dict() == {"epoch": 1, "stream": END_OF_0}  # a checkpoint now keeps it too
+    assert list(ds) == []
+    assert opened(sent) == [(2, END_OF_0)]  # no probe (epochs 1, state None) before it
+    assert sent[0]["mix"] == [{"dataset": "web", "weight": 0.75}, {"dataset": "code", "weight": 0.25}]
+    sent.clear()
+    ds.set_epoch(2)  # taken: the next epoch opens from a probe again
+    assert list(ds) == []
+    assert opened(sent) == [(1, None), (3, {**PROBE, "epoch": 2, "index": 0, "cursor": 0})]
+
+
+def test_a_worker_s_mixture_state_at_the_epoch_s_start_is_kept(sent, monkeypatch: pytest.MonkeyPatch):
+    """A DataLoader worker's position at an epoch's start is its first index there (below the
+    worker count): worker 1 of 2 keeps its state at ``{epoch: 1, index: 1}``."""
+    monkeypatch.setattr(swt, "_worker", lambda: (1, 2))
+    mine = mix_state(1, 1, 251, [1003, 1005])
+    ds = mixture()
+    ds.set_epoch(1)
+    ds.load_state_dict({"epoch": 0, "stream": mine})
+    assert list(ds) == []
+    assert opened(sent) == [(2, mine)]
+    assert (sent[0]["worker"], sent[0]["num_workers"]) == (1, 2)
+
+
+def test_a_resume_point_moved_to_the_epoch_it_starts_is_kept_by_the_next_iteration(sent):
+    """A position kept from an iteration of epoch 0 (one that ended in an error right after
+    its last batch, or a worker's load before the main process named epoch 1) when the epoch
+    becomes 1 without this copy's ``set_epoch`` (a worker sees the shared epoch change)."""
+    ds = mixture()
+    ds._resume, ds._resume_epoch = END_OF_0, 0
+    ds._epoch.value = 1  # the main process's set_epoch, seen through the shared epoch
+    assert ds._start() == (END_OF_0, 1)
+
+
+@pytest.mark.parametrize(
+    "dataset, stream, epoch",
+    [
+        ("one", {**PROBE, "epoch": 1}, 1),  # one dataset: a probe gives the same start
+        (MIX, END_OF_0, 2),  # an epoch later than the state's: that epoch starts whole
+        (MIX, mix_state(0, 100, 100, [400, 400]), 1),  # inside epoch 0: epoch 1 wins
+    ],
+    ids=["one-dataset", "later-epoch", "inside-the-epoch"],
+)
+def test_other_states_still_give_way_to_the_epoch_set_epoch_names(sent, dataset, stream, epoch):
+    ds = swt._DatasetMixin(dataset, socket="/nonexistent", batch_size=8, rank=0, world_size=1)
+    ds.load_state_dict({"epoch": 0, "stream": stream})
+    ds.set_epoch(epoch)
+    assert ds.state_dict() == {"epoch": epoch, "stream": None}
+    assert list(ds) == []
+    assert opened(sent) == [(1, None), (epoch + 1, {**PROBE, "epoch": epoch})]  # the probe, then the epoch
+
+
+# --- rank and world size come in pairs -----------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, said", [({"rank": 1}, "rank=1 and world_size=None"), ({"world_size": 4}, "rank=None and world_size=4")])
+def test_rank_or_world_size_alone_is_refused_naming_both(kw, said):
+    """Before, ``rank=`` alone was paired with the DDP job's global world size (with tensor
+    parallelism: every epoch read half the data, silently)."""
+    with pytest.raises(ValueError, match=f"^{said}: pass both"):
+        swt._DatasetMixin("d", socket="/s", **kw)
+    with pytest.raises(ValueError, match=f"^{said}: pass both"):
+        swt._ddp_ranks(kw.get("rank"), kw.get("world_size"))  # a forked worker's open
+    assert swt._ddp_ranks(1, 4) == (1, 4)
+
+
+def test_a_spawned_worker_s_dataset_is_refused_with_rank_alone(monkeypatch: pytest.MonkeyPatch):
+    """The dataset pickled for a spawned worker fills in the DDP job's rank and world size
+    only when both were left out; one set since the dataset was made is refused (before, the
+    job's global world size was filled in beside it)."""
+    monkeypatch.setattr(multiprocessing.context, "get_spawning_popen", lambda: object())
+    monkeypatch.setattr(swt, "_cuda_in_use", lambda: False)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    ds = swt._DatasetMixin("d", socket="/s")
+    state = ds.__getstate__()
+    assert (state["rank"], state["world_size"]) == (3, 8)
+    ds.rank = 1
+    with pytest.raises(ValueError, match="^rank=1 and world_size=None: pass both"):
+        ds.__getstate__()
+
+
+# --- epochs are integers >= 0 ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True, None, np.float64(2.0)])
+def test_an_epoch_that_is_no_integer_at_least_0_is_refused_naming_it(bad):
+    """Before, ``set_epoch(-1)`` was taken (batch mode then delivered epochs 0 and 1, or said
+    ``epochs`` was 0), and ``1.5`` or ``"2"`` were truncated or parsed."""
+    ds = swt._DatasetMixin("d", socket="/s", batch_size=8)
+    with pytest.raises(ValueError, match=f"^set_epoch's epoch must be an integer >= 0, not {bad!r}$".replace("(", r"\(").replace(")", r"\)")):
+        ds.set_epoch(bad)
+    with pytest.raises(ValueError, match=r"^load_state_dict's state\['epoch'\] must be an integer >= 0, not "):
+        ds.load_state_dict({"epoch": bad, "stream": None})
+    assert ds.epoch == 0 and ds.state_dict() == {"epoch": 0, "stream": None}  # nothing changed
+
+
+def test_numpy_integer_epochs_are_taken():
+    ds = swt._DatasetMixin("d", socket="/s", batch_size=8)
+    ds.set_epoch(np.int64(3))
+    assert ds.epoch == 3 and type(ds.state_dict()["epoch"]) is int
+    ds.load_state_dict({"epoch": np.uint32(5), "stream": None})
+    assert ds.epoch == 5
+
+
+# --- _connect closes its socket on an interrupt ---------------------------------------------
+
+
+@pytest.mark.parametrize("connected", [False, True], ids=["in-connect", "as-connect-returns"])
+def test_connect_closes_its_socket_when_interrupted(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, connected):
+    """A KeyboardInterrupt in the blocking connect, or as it returns: the socket is closed
+    before the interrupt goes on (before, only OSErrors closed it)."""
+    path = str(tmp_path / "trainer.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    made: list[socket.socket] = []
+    real = _client._send_timeout
+
+    def send_timeout(sock: socket.socket, seconds: float) -> None:
+        made.append(sock)
+        if (seconds == 0) == connected:  # the first call is before connect, the second after
+            raise KeyboardInterrupt
+        real(sock, seconds)
+
+    monkeypatch.setattr(_client, "_send_timeout", send_timeout)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _client._connect(path)
+        assert made and made[0].fileno() == -1
+        if connected:  # the node's side sees the connection closed
+            peer, _ = listener.accept()
+            with peer:
+                peer.settimeout(5)
+                assert peer.recv(1) == b""
+    finally:
+        listener.close()
