@@ -9,7 +9,7 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use crate::url::redacted;
+use crate::redact::redact_urls;
 
 /// What went wrong, as a tag (see [`StoreError::kind`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -558,35 +558,6 @@ pub(crate) fn short(e: &object_store::Error) -> String {
         Some((i, _)) => format!("{}...", &s[..i]),
         None => s,
     }
-}
-
-/// `s` with each URL in it (`scheme://` up to a space, `"`, `<` or `>`: none of them is ever
-/// left unescaped in a URL) as [`redacted`] writes it: userinfo as `***@`, a query or fragment
-/// as `?...`. object_store's errors repeat a request's whole URI ("Error performing GET
-/// {uri} ..."), built from the endpoint with its userinfo and query (a basic-auth proxy's
-/// password, a signature), and these messages reach the logs and the nodes (before, as they
-/// came).
-fn redact_urls(s: &str) -> String {
-    let scheme_char = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.');
-    let mut out = String::with_capacity(s.len());
-    let mut rest = s;
-    while let Some(at) = rest.find("://") {
-        let bytes = rest.as_bytes();
-        let scheme = bytes[..at].iter().rev().take_while(|&&b| scheme_char(b));
-        let mut start = at - scheme.count();
-        // A scheme's name starts with a letter (ASCII: `start` stays a char boundary).
-        while start < at && !bytes[start].is_ascii_alphabetic() {
-            start += 1;
-        }
-        let end = rest[at + 3..]
-            .find(|c: char| c.is_whitespace() || matches!(c, '"' | '<' | '>'))
-            .map_or(rest.len(), |i| at + 3 + i);
-        out.push_str(&rest[..start]);
-        out.push_str(&redacted(&rest[start..end]));
-        rest = &rest[end..];
-    }
-    out.push_str(rest);
-    out
 }
 
 /// `s` with an S3 `<Error>...</Error>` body in it replaced by `S3 error CODE: MESSAGE`.

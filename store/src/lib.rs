@@ -25,6 +25,7 @@ mod local;
 pub mod metrics;
 mod options;
 mod plan;
+mod redact;
 mod store;
 mod tap;
 mod url;
