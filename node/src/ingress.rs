@@ -103,9 +103,12 @@ enum Queue {
     NotStarted,
     /// The thread runs and takes connections here.
     Running(SyncSender<Job>),
-    /// The thread could not start: why.
-    Failed(String),
+    /// The thread could not start, when, and why (tried again [`RETRY_START`] later).
+    Failed(Instant, String),
 }
+
+/// A checker thread that could not start is tried again after this long.
+const RETRY_START: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The check: one thread, started at the first connection to check, that checks them in
 /// turn (its lookups ask the kernel, which may wait on the rtnl lock: never on the accept
@@ -113,6 +116,9 @@ enum Queue {
 pub struct IngressCheck {
     checker: Arc<Checker>,
     queue: Mutex<Queue>,
+    /// Lines about connections left unchecked (the queue full, the thread not running), by
+    /// lane.
+    unchecked: Mutex<WarnLimit<u32>>,
 }
 
 impl std::fmt::Debug for IngressCheck {
@@ -126,24 +132,33 @@ impl Default for IngressCheck {
         Self {
             checker: Arc::default(),
             queue: Mutex::new(Queue::NotStarted),
+            unchecked: Mutex::new(WarnLimit::new(warn_limit::EVERY)),
         }
     }
 }
 
 impl IngressCheck {
     /// Queues `sock`, a data connection of `lane` from `peer` (of source `source`), for the
-    /// checker thread, with a duplicate of its fd; see the module doc. A connection of a lane
-    /// without a NIC is not checked.
-    pub fn spawn(&self, lane: &Arc<Lane>, sock: &TcpStream, peer: SocketAddr, source: &str) {
+    /// checker thread, with a duplicate of its fd; see the module doc. Returns whether it was
+    /// queued: a connection of a lane without a NIC is not checked, and one the thread cannot
+    /// take (its queue full, the thread not running) is left unchecked, not counted (it may
+    /// be one the check would skip), with a warning at most once per lane every
+    /// [`warn_limit::EVERY`].
+    pub fn spawn(
+        &self,
+        lane: &Arc<Lane>,
+        sock: &TcpStream,
+        peer: SocketAddr,
+        source: &str,
+    ) -> bool {
         if lane.spec.nic.is_none() {
-            return;
+            return false;
         }
         let sock = match sock.try_clone() {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!(lane = lane.id(), %peer, error = %e,
-                    "cannot duplicate a data connection's fd to check the NIC it came in on; not checked");
-                return;
+                self.unchecked(lane, &format!("duplicating its fd: {e}"));
+                return false;
             }
         };
         let job = Job {
@@ -152,27 +167,45 @@ impl IngressCheck {
             peer,
             source: source.to_owned(),
         };
-        let (job, why) = match self.sender() {
+        let why = match self.sender() {
             Ok(tx) => match tx.try_send(job) {
-                Ok(()) => return,
-                Err(TrySendError::Full(job)) => (
-                    job,
-                    format!("{QUEUE} connections wait for the check already"),
-                ),
-                Err(TrySendError::Disconnected(job)) => (job, "the check thread ended".to_owned()),
+                Ok(()) => return true,
+                Err(TrySendError::Full(_)) => {
+                    format!("{QUEUE} connections wait for the check already")
+                }
+                Err(TrySendError::Disconnected(_)) => "the check thread ended".to_owned(),
             },
-            Err(why) => (job, why),
+            Err(why) => why,
         };
-        // The lane's NIC is not looked up here (that may wait): counted whatever its address.
-        let why = format!("this connection was not checked: {why}");
-        self.checker
-            .count(&job.lane, job.peer, &job.source, &Verdict::Unknown(why));
+        self.unchecked(lane, &why);
+        false
     }
 
-    /// The checker thread's queue, the thread started if it was not; else why it cannot run.
+    /// Says that a connection of `lane` was left unchecked, and `why`, at most once per lane
+    /// every [`warn_limit::EVERY`].
+    fn unchecked(&self, lane: &Lane, why: &str) {
+        let hit = self
+            .unchecked
+            .lock()
+            .expect("poisoned")
+            .hit(lane.id(), Instant::now());
+        if let Some(suppressed) = hit {
+            tracing::warn!(lane = lane.id(), %why, suppressed,
+                "a data connection of the lane was not checked for the NIC it came in on (one such line per lane every {} s)",
+                warn_limit::EVERY.as_secs());
+        }
+    }
+
+    /// The checker thread's queue, the thread started if it was not (or failed to start more
+    /// than [`RETRY_START`] ago); else why it cannot run.
     fn sender(&self) -> Result<SyncSender<Job>, String> {
         let mut queue = self.queue.lock().expect("poisoned");
-        if let Queue::NotStarted = *queue {
+        let start = match &*queue {
+            Queue::NotStarted => true,
+            Queue::Failed(at, _) => at.elapsed() >= RETRY_START,
+            Queue::Running(_) => false,
+        };
+        if start {
             let (tx, rx) = sync_channel::<Job>(QUEUE);
             let checker = Arc::clone(&self.checker);
             let started = std::thread::Builder::new()
@@ -184,12 +217,15 @@ impl IngressCheck {
                 });
             *queue = match started {
                 Ok(_) => Queue::Running(tx),
-                Err(e) => Queue::Failed(format!("the check thread cannot start: {e}")),
+                Err(e) => Queue::Failed(
+                    Instant::now(),
+                    format!("the check thread cannot start: {e}"),
+                ),
             };
         }
         match &*queue {
             Queue::Running(tx) => Ok(tx.clone()),
-            Queue::Failed(why) => Err(why.clone()),
+            Queue::Failed(_, why) => Err(why.clone()),
             Queue::NotStarted => unreachable!("started above"),
         }
     }
@@ -379,9 +415,33 @@ mod tests {
         assert_eq!(counted(&lane), [0, 0, 2]);
         // A lane without a NIC is not queued at all.
         let bare = crate::lanes::test_lane(1, None);
-        check.spawn(&bare, &sock, peer, "src:1");
+        assert!(!check.spawn(&bare, &sock, peer, "src:1"));
         drop(check);
         assert_eq!(counted(&bare), [0, 0, 0]);
+    }
+
+    /// A connection the check thread cannot take is left unchecked, not counted as unknown
+    /// (before, it was: on lanes the check skips by design too), and a thread that failed to
+    /// start is started again once [`RETRY_START`] has passed.
+    #[test]
+    fn connections_the_thread_cannot_take_are_not_counted_and_a_failed_start_is_retried() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let _dialled = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (sock, peer) = listener.accept().unwrap();
+        let mut lane = Arc::into_inner(crate::lanes::test_lane(0, None)).unwrap();
+        lane.spec.nic = Some("lo".into());
+        let lane = Arc::new(lane);
+        let check = IngressCheck::default();
+        *check.queue.lock().unwrap() = Queue::Failed(Instant::now(), "no threads".into());
+        assert!(!check.spawn(&lane, &sock, peer, "src:1"));
+        let s = &lane.stats;
+        let counted =
+            || [&s.on_nic, &s.wrong_nic, &s.nic_unknown].map(|c| c.load(Ordering::Relaxed));
+        assert_eq!(counted(), [0, 0, 0]);
+        let long_ago = Instant::now().checked_sub(RETRY_START).unwrap();
+        *check.queue.lock().unwrap() = Queue::Failed(long_ago, "no threads".into());
+        assert!(check.spawn(&lane, &sock, peer, "src:1"));
+        assert!(matches!(*check.queue.lock().unwrap(), Queue::Running(_)));
     }
 
     #[test]

@@ -302,6 +302,11 @@ def test_raw_api_codes_headers_and_limits(world: World):
         assert h["x-shardwire-shape"] == ",".join(map(str, want.shape))
         assert int(h["content-length"]) == len(data) == want.nbytes == t["length"]
         assert np.array_equal(np.frombuffer(data, want.dtype).reshape(want.shape), want)
+        # HEAD: GET's headers, no body (and nothing copied: service/src/http/trainer.rs).
+        st, none, hh = http(a, "HEAD", f"/v1/leases/{b['lease']}/tensors/{t['name']}")
+        assert (st, none) == (200, b"")
+        assert {k: hh[k] for k in ("content-type", "content-length", "x-shardwire-dtype", "x-shardwire-shape")} == \
+            {k: h[k] for k in ("content-type", "content-length", "x-shardwire-dtype", "x-shardwire-shape")}, (hh, h)
     st, v = http_json(a, "GET", f"/v1/leases/{b['lease']}/tensors/nope")
     assert (st, v["code"]) == (404, "not_found") and "nope" in v["message"]
     assert listed(a, sid)["leased"] == 1
@@ -313,6 +318,7 @@ def test_raw_api_codes_headers_and_limits(world: World):
     assert listed(a, sid)["leased"] == 0
     st, v = http_json(a, "POST", f"/v1/leases/{b['lease']}/release")
     assert (st, v["code"]) == (404, "unknown_lease")
+    assert http(a, "HEAD", f"/v1/leases/{b['lease']}/tensors/{b['tensors'][0]['name']}")[0] == 404
     st, v = http_json(a, "GET", f"/v1/streams/{sid}/state")
     assert st == 200 and (v["epoch"], v["index"], v["seed"]) == (0, 1, 9)
 

@@ -588,6 +588,11 @@ impl Stream {
         slab.read(start, usize::try_from(length).ok()?).ok()
     }
 
+    /// Whether the stream holds lease `lease` still (a closed stream holds none).
+    pub fn holds_lease(&self, lease: u64) -> bool {
+        self.lock().leases.contains_key(&lease)
+    }
+
     /// Ends a lease; false if unknown.
     pub fn release(&self, lease: u64) -> bool {
         self.take_lease(lease).is_some() // the slab drops here, after the lock

@@ -746,6 +746,11 @@ async fn tensor_head(
     let Path((lease, name)) = p.map_err(path_error)?;
     let (sid, t) = leased_tensor(&api, lease, &name)?;
     let s = api.stream(sid).map_err(|_| unknown_lease(lease))?;
+    // Answered only while the node still holds the lease, as `GET` reads it (a stream the
+    // node closed, which this API learns of within its tick, holds none).
+    if !s.shared.holds_lease(lease) {
+        return Err(unknown_lease(lease));
+    }
     drop(Busy::new(&s));
     Ok(head_answer(&t))
 }
