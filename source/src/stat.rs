@@ -25,6 +25,11 @@
 //! A file on a local disk or memory file system ([`on_disk`]: ext4, XFS, tmpfs, ...) is checked
 //! where the check is made, without a thread: its `fstat` answers from the inode cache, and two
 //! thread hops per FETCH kept a node from fetching shards of a few KiB ahead of its trainer.
+//!
+//! The bound itself ([`Limiter`]: a time limit, [`FS_CHECKS`] at once per file system, refused
+//! at once while one hangs) also runs the disk operations of the object-storage datasets'
+//! caches (`remote`: the open, `fstat`, CRC read and unlink of a cache entry), with a limiter
+//! of their own.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -49,7 +54,7 @@ pub(crate) const STAT_LIMIT: Duration = Duration::from_secs(5);
 /// that a file system whose server stopped answering can hold.
 pub(crate) const FS_CHECKS: usize = 4;
 
-/// Where one check stands; changed only under the lock of [`Stats::groups`].
+/// Where one check stands; changed only under the lock of [`Limiter::groups`].
 const QUEUED: u8 = 0;
 /// Its thread started it.
 const RUNNING: u8 = 1;
@@ -116,13 +121,32 @@ struct Group {
     slots: Arc<Semaphore>,
 }
 
-/// A check started on its thread ([`Stats::start`]): its task, where it stands and when it
-/// started.
-type Started = (
-    JoinHandle<Result<(), ShardChanged>>,
+/// A check started on its thread ([`Limiter::start`]): its task (`None` where it did not run:
+/// its caller stopped waiting before it started), where it stands and when it started.
+type Started<T> = (
+    JoinHandle<Option<Result<T, ShardChanged>>>,
     Arc<AtomicU8>,
     tokio::time::Instant,
 );
+
+/// Runs checks of files (an `fstat`, an open: whatever may block on a file system whose server
+/// stopped answering) on blocking threads, each within a time limit, at most [`FS_CHECKS`] of
+/// one file system at once, and refuses those of a file system while one of its checks is past
+/// its limit and has not returned ([`Limiter::within`]). Cloned, it shares its table.
+#[derive(Debug, Clone)]
+pub(crate) struct Limiter {
+    /// What its checks do, for their errors (`fstat`).
+    op: &'static str,
+    /// The checks of each file system.
+    groups: Arc<Mutex<HashMap<Key, Group>>>,
+}
+
+impl Default for Limiter {
+    /// The limiter of `fstat`s ([`Stats`]).
+    fn default() -> Self {
+        Self::new("fstat")
+    }
+}
 
 /// The checks of local shard files, by file system.
 #[derive(Debug, Default)]
@@ -135,8 +159,8 @@ pub(crate) struct Stats {
     /// where the check is made, without a thread hop (two per FETCH: with shards of a few KiB,
     /// the hops kept a node from fetching ahead of its trainer).
     inline: HashSet<usize>,
-    /// The checks of each file system.
-    groups: Arc<Mutex<HashMap<Key, Group>>>,
+    /// The checks, by file system.
+    limiter: Limiter,
 }
 
 /// The file system of each of `files` (`device`: its `st_dev`, if found) and those on a disk
@@ -164,7 +188,7 @@ fn survey<'a, T: ?Sized + 'a>(
     (devices, inline)
 }
 
-/// The table of [`Stats::groups`], locked.
+/// The table of [`Limiter::groups`], locked.
 fn lock(groups: &Mutex<HashMap<Key, Group>>) -> MutexGuard<'_, HashMap<Key, Group>> {
     groups.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -190,7 +214,7 @@ impl Stats {
         Self {
             devices,
             inline,
-            groups: Arc::default(),
+            limiter: Limiter::default(),
         }
     }
 
@@ -228,9 +252,7 @@ impl Stats {
         self.within(key, &opened.name, STAT_LIMIT, check).await
     }
 
-    /// Runs `check` of file `name` (of file system `key`) on a blocking thread once it starts
-    /// there within `limit` ([`Self::start`]), and waits for it at most `limit` from then;
-    /// counts it as hung if it does not return in that time.
+    /// [`Limiter::within`], for the local shard files.
     async fn within<F>(
         &self,
         key: Key,
@@ -241,37 +263,89 @@ impl Stats {
     where
         F: FnOnce() -> Result<(), ShardChanged> + Send + 'static,
     {
+        self.limiter.within(key, name, limit, check).await
+    }
+}
+
+impl Limiter {
+    /// A limiter whose checks do `op` (for their errors: `"fstat did not return within
+    /// 5s"`).
+    pub(crate) fn new(op: &'static str) -> Self {
+        Self {
+            op,
+            groups: Arc::default(),
+        }
+    }
+
+    /// [`Self::within`] for file `name` of the file system `dev` (its `st_dev`).
+    pub(crate) async fn on_device<T, F>(
+        &self,
+        dev: u64,
+        name: &str,
+        limit: Duration,
+        check: F,
+    ) -> Result<T, ShardChanged>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> Result<T, ShardChanged> + Send + 'static,
+    {
+        self.within(Key::Device(dev), name, limit, check).await
+    }
+
+    /// Runs `check` of file `name` (of file system `key`) on a blocking thread once it starts
+    /// there within `limit` ([`Self::start`]), and waits for it at most `limit` from then;
+    /// counts it as hung if it does not return in that time.
+    async fn within<T, F>(
+        &self,
+        key: Key,
+        name: &str,
+        limit: Duration,
+        check: F,
+    ) -> Result<T, ShardChanged>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> Result<T, ShardChanged> + Send + 'static,
+    {
         let (mut task, state, began) = self.start(key, name, limit, check).await?;
         let joined = match tokio::time::timeout_at(began + limit, &mut task).await {
             Ok(joined) => joined,
             Err(_) if self.give_up(key, &state) => {
+                let op = self.op;
                 let why = format!(
-                    "fstat did not return within {limit:?} (a network file system whose \
+                    "{op} did not return within {limit:?} (a network file system whose \
                      server does not answer?)"
                 );
                 return Err(stat_error(name, why));
             }
             Err(_) => task.await, // it returned just as the limit ran out: its answer is there
         };
-        joined.map_err(|e| ShardChanged::Stat {
+        let ended = |why: String| ShardChanged::Stat {
             name: name.to_owned(),
-            source: io::Error::other(format!("the thread that checked it ended: {e}")),
-        })?
+            source: io::Error::other(why),
+        };
+        match joined {
+            Ok(Some(got)) => got,
+            // Only a check its caller stopped waiting for before it started does not run, and
+            // that caller is refused in `start`: not expected here.
+            Ok(None) => Err(ended("its check did not run".to_owned())),
+            Err(e) => Err(ended(format!("the thread that checked it ended: {e}"))),
+        }
     }
 
     /// Starts `check` of file `name` (of file system `key`) on a blocking thread within
     /// `limit`: it waits for one of the file system's [`FS_CHECKS`] slots ([`Self::slot`]),
     /// then for a blocking thread, and is refused if it has not started by then. Returns its
     /// task, where it stands and when it started.
-    async fn start<F>(
+    async fn start<T, F>(
         &self,
         key: Key,
         name: &str,
         limit: Duration,
         check: F,
-    ) -> Result<Started, ShardChanged>
+    ) -> Result<Started<T>, ShardChanged>
     where
-        F: FnOnce() -> Result<(), ShardChanged> + Send + 'static,
+        T: Send + 'static,
+        F: FnOnce() -> Result<T, ShardChanged> + Send + 'static,
     {
         let start_by = tokio::time::Instant::now() + limit;
         let slot = self.slot(key, name, limit, start_by).await?;
@@ -351,8 +425,9 @@ impl Stats {
         });
         let hung = *g.hung.borrow();
         if hung > 0 {
+            let op = self.op;
             let why = format!(
-                "{hung} earlier fstat(s) of files on {key} did not return within {limit:?} and \
+                "{hung} earlier {op}(s) of files on {key} did not return within {limit:?} and \
                  have not returned yet (a network file system whose server does not answer?)",
             );
             return Err(stat_error(name, why));
@@ -388,7 +463,7 @@ impl Stats {
 
 /// One check's hold on its file system's group, on its blocking thread.
 struct Job {
-    /// [`Stats::groups`].
+    /// [`Limiter::groups`].
     groups: Arc<Mutex<HashMap<Key, Group>>>,
     /// Its file system.
     key: Key,
@@ -401,11 +476,11 @@ struct Job {
 }
 
 impl Job {
-    /// Runs `check` unless its caller stopped waiting before it started; a hung one that
-    /// returns is no longer counted as hung.
-    fn run<F>(self, check: F) -> Result<(), ShardChanged>
+    /// Runs `check` unless its caller stopped waiting before it started (`None`: then `check`
+    /// is dropped unrun); a hung one that returns is no longer counted as hung.
+    fn run<T, F>(self, check: F) -> Option<Result<T, ShardChanged>>
     where
-        F: FnOnce() -> Result<(), ShardChanged>,
+        F: FnOnce() -> Result<T, ShardChanged>,
     {
         let Job {
             groups,
@@ -417,7 +492,7 @@ impl Job {
         {
             let _groups = lock(&groups);
             if state.load(Ordering::Relaxed) == DROPPED {
-                return Ok(()); // refused before it started: nobody reads this
+                return None; // refused before it started: nobody reads this
             }
             state.store(RUNNING, Ordering::Relaxed);
         }
@@ -431,7 +506,7 @@ impl Job {
         }
         drop(table);
         drop(slot);
-        got
+        Some(got)
     }
 }
 
@@ -496,7 +571,7 @@ mod tests {
 
     /// Checks of `key` past their limit that have not returned.
     fn hung(stats: &Stats, key: Key) -> usize {
-        lock(&stats.groups)
+        lock(&stats.limiter.groups)
             .get(&key)
             .map_or(0, |g| *g.hung.borrow())
     }

@@ -5,7 +5,13 @@ a test says so; the dataset's torch-free body, ``_DatasetMixin``, is what is tes
   not replaced by a probe, when the loop names ``e + 1`` (``set_epoch`` before or after
   ``load_state_dict``): it holds every dataset's cursor, which a probe's ``{epoch, index: 0}``
   does not (the node replays the schedule from its start under the weights given now, which
-  repeats and skips samples where they changed). Other states are replaced as before.
+  repeats and skips samples where they changed). So is the position where an iteration of
+  the process ended, for every later epoch: after a resume with new weights (at an epoch
+  boundary or inside an epoch) and after ``ds.dataset = {...}`` between epochs. Only a
+  mixture of the same datasets in the same order keeps such a state. Other states are
+  replaced as before.
+- An epoch past what a stream counts (``epoch + epochs > 2**32 - 1``) is a ValueError naming
+  it and the bound.
 - ``rank=`` without ``world_size=`` (or the other way round) is a ValueError naming both,
   when the dataset is made and when it is sent to a spawned worker.
 - ``set_epoch`` and ``load_state_dict``'s ``state["epoch"]`` take integers >= 0 only.
@@ -17,6 +23,7 @@ test_sdk_options.py.
 
 from __future__ import annotations
 
+import json
 import multiprocessing.context
 import pathlib
 import socket
@@ -49,6 +56,13 @@ def mix_state(epoch: int, index: int, step: int, cursors: list[int]) -> dict[str
 #: Epoch 0 (250 steps of 8, 1000 samples of each dataset) delivered in full under .5 / .5:
 #: the position after its last batch, the start of epoch 1.
 END_OF_0 = mix_state(1, 0, 250, [1000, 1000])
+#: Epoch 1 under .75 / .25 from END_OF_0's cursors: half of it, and all of it (the start of
+#: epoch 2); then epoch 2 likewise. A probe's ``{epoch: 2, index: 0}`` instead made the node
+#: replay 500 steps under .75 / .25, to cursors (3000, 1000): web's [2500, 3000) never came,
+#: code's [1000, 1500) twice.
+MID_1 = mix_state(1, 125, 375, [1750, 1250])
+END_OF_1 = mix_state(2, 0, 500, [2500, 1500])
+END_OF_2 = mix_state(3, 0, 750, [4000, 2000])
 
 
 class FakeStream(test_sdk_options.FakeStream):
@@ -58,15 +72,41 @@ class FakeStream(test_sdk_options.FakeStream):
         return dict(PROBE)
 
 
+class Batches(FakeStream):
+    """A stream that delivers a batch for each of `states`, its position after that batch
+    (as JSON bytes, as a socket stream keeps it until a checkpoint asks)."""
+
+    def __init__(self, *states: dict[str, Any]) -> None:
+        self.left = list(states)
+        self.at: dict[str, Any] | None = None
+
+    def next(self, timeout: float | None = None) -> dict[str, np.ndarray] | None:  # type: ignore[override]
+        if not self.left:
+            return None
+        self.at = self.left.pop(0)
+        return {"id": np.arange(8)}
+
+    def _snapshot(self) -> bytes:
+        return json.dumps(self.at).encode()
+
+
 @pytest.fixture
-def sent(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+def answers() -> list[FakeStream]:
+    """The streams the dataset's next opens (not its probes) are answered with, in turn;
+    then FakeStreams, with no batches."""
+    return []
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch, answers: list[FakeStream]) -> list[dict[str, Any]]:
     """The attach requests of the dataset's streams, captured instead of sent (each answered
-    with a FakeStream); the main process, DDP rank 0 of 1 unless a test says otherwise."""
+    with the next of `answers`, else a FakeStream; a probe, without ``worker``, with a
+    FakeStream); the main process, DDP rank 0 of 1 unless a test says otherwise."""
     reqs: list[dict[str, Any]] = []
 
     def sock_open(cls: Any, path: str, req: dict[str, Any], auto_device: bool = False) -> FakeStream:
         reqs.append(req)
-        return FakeStream()
+        return answers.pop(0) if answers and "worker" in req else FakeStream()
 
     monkeypatch.setattr(_client.Stream, "_open", classmethod(sock_open))
     monkeypatch.setattr(swt, "connect", lambda socket: shardwire.Client("/nonexistent/trainer.sock"))
@@ -87,12 +127,13 @@ def opened(sent: list[dict[str, Any]]) -> list[tuple[int, Any]]:
 
 
 @pytest.mark.parametrize("set_epoch_first", [True, False], ids=["set_epoch-then-load", "load-then-set_epoch"])
-def test_a_mixture_state_at_the_next_epoch_s_start_is_resumed_from_not_probed(sent, set_epoch_first):
+def test_a_mixture_state_at_the_next_epoch_s_start_is_resumed_from_not_probed(sent, answers, set_epoch_first):
     """The usual loop resumed with new weights (.75 / .25): the stream opens at the saved
     state, whose cursors (1000, 1000) the node continues from. Before, the state was dropped
     and a probe's ``{epoch: 1, index: 0}`` without them opened the stream: the node replayed
     epoch 0 under .75 / .25 (cursors 1500 / 500), so web's [1000, 1500) never came and code's
-    [500, 1000) came twice."""
+    [500, 1000) came twice. Every later epoch starts where the one before ended (before,
+    epoch 2 on opened from a probe again: the same replay, one epoch later)."""
     ds = mixture()
     saved = {"epoch": 0, "stream": END_OF_0}
     if set_epoch_first:  # StatefulDataLoader's order: it loads the state at iter(loader)
@@ -106,9 +147,117 @@ def test_a_mixture_state_at_the_next_epoch_s_start_is_resumed_from_not_probed(se
     assert opened(sent) == [(2, END_OF_0)]  # no probe (epochs 1, state None) before it
     assert sent[0]["mix"] == [{"dataset": "web", "weight": 0.75}, {"dataset": "code", "weight": 0.25}]
     sent.clear()
-    ds.set_epoch(2)  # taken: the next epoch opens from a probe again
+    answers.append(Batches(MID_1, END_OF_1))
+    ds.set_epoch(1)  # epoch 1 again (the first iteration delivered nothing here)
+    assert len(list(ds)) == 2
+    ds.set_epoch(2)
+    assert ds.state_dict() == {"epoch": 2, "stream": END_OF_1}  # a checkpoint here resumes there
+    answers.append(Batches(END_OF_2))
+    assert len(list(ds)) == 1
+    ds.set_epoch(3)
     assert list(ds) == []
-    assert opened(sent) == [(1, None), (3, {**PROBE, "epoch": 2, "index": 0, "cursor": 0})]
+    assert opened(sent) == [(2, END_OF_0), (3, END_OF_1), (4, END_OF_2)]  # no probe
+
+
+def test_weights_changed_between_epochs_of_a_running_process_continue_every_cursor(sent, answers):
+    """``ds.dataset = {...}`` between epochs, no checkpoint: epoch 1 opens at the position
+    where epoch 0 ended, under the new weights. Before, a probe opened it and the node
+    replayed epoch 0 under the new weights."""
+    ds = swt._DatasetMixin({"web": 0.5, "code": 0.5}, socket="/nonexistent", batch_size=8, rank=0, world_size=1)
+    answers.append(Batches(mix_state(0, 125, 125, [500, 500]), END_OF_0))
+    ds.set_epoch(0)
+    assert len(list(ds)) == 2
+    ds.dataset = dict(MIX)
+    ds.set_epoch(1)
+    assert list(ds) == []
+    assert opened(sent) == [(1, None), (2, END_OF_0)]
+    assert sent[1]["mix"] == [{"dataset": "web", "weight": 0.75}, {"dataset": "code", "weight": 0.25}]
+
+
+def test_a_resume_inside_an_epoch_with_new_weights_continues_every_cursor_in_later_epochs(sent, answers):
+    """``num_workers=0``: a checkpoint inside epoch 0 resumed under .75 / .25; the node goes
+    on from its cursors, and epoch 1 opens where epoch 0 ended (before: from a probe, the
+    node replaying epoch 0 under .75 / .25 from its start)."""
+    inside = mix_state(0, 100, 100, [400, 400])
+    end = mix_state(1, 0, 250, [1300, 700])  # 150 steps of 6 web and 2 code samples more
+    ds = mixture()
+    ds.load_state_dict({"epoch": 0, "stream": inside})
+    answers.append(Batches(end))
+    assert len(list(ds)) == 1
+    ds.set_epoch(1)
+    assert list(ds) == []
+    assert opened(sent) == [(1, inside), (2, end)]
+
+
+def test_an_epoch_left_early_starts_over_from_its_start_and_one_run_to_its_end_from_a_probe(sent, answers):
+    """A ``break`` in epoch 1 (resumed at END_OF_0): iterating epoch 1 again starts it over
+    at END_OF_0's cursors (before, from a probe). Once it ran to its end, the same epoch
+    again opens from a probe, as before: its end position would resume it to nothing."""
+    ds = mixture()
+    ds.set_epoch(1)
+    ds.load_state_dict({"epoch": 0, "stream": END_OF_0})
+    answers += [Batches(MID_1, END_OF_1), Batches(MID_1, END_OF_1)]
+    it = iter(ds)
+    next(it)
+    it.close()  # a `break` after one batch
+    assert len(list(ds)) == 2
+    assert opened(sent) == [(2, END_OF_0), (2, END_OF_0)]
+    sent.clear()
+    assert list(ds) == []
+    assert opened(sent) == [(1, None), (2, {**PROBE, "epoch": 1})]
+
+
+def test_a_persistent_worker_starts_the_next_epoch_where_its_iteration_ended(sent, answers, monkeypatch: pytest.MonkeyPatch):
+    """Worker 1 of 2 ends epoch 0 at its first index of epoch 1; the main process's
+    ``set_epoch(1)`` (the shared epoch) makes its next iteration start there, and the state
+    StatefulDataLoader asks for right after ``iter(dataset)`` names it. A position reached in
+    another process (the main one's, copied into a worker) is not used."""
+    monkeypatch.setattr(swt, "_worker", lambda: (1, 2))
+    mine = mix_state(1, 1, 251, [1003, 1005])
+    ds = mixture()
+    answers.append(Batches(mix_state(0, 249, 249, [999, 997]), mine))
+    assert len(list(ds)) == 2
+    ds._epoch.value = 1  # the main process's set_epoch, seen through the shared epoch
+    it = iter(ds)
+    assert ds.state_dict() == {"epoch": 1, "stream": mine}
+    assert list(it) == []
+    assert opened(sent) == [(1, None), (2, mine)]
+
+    main = mixture()
+    monkeypatch.setattr(swt, "_worker", lambda: (0, 1))
+    answers.append(Batches(END_OF_0))
+    assert len(list(main)) == 1
+    monkeypatch.setattr(swt, "_worker", lambda: (1, 2))  # its copy, in worker 1 of 2
+    main._epoch.value = 1
+    sent.clear()
+    assert list(main) == []
+    assert opened(sent)[-1] == (2, {**PROBE, "epoch": 1})
+
+
+@pytest.mark.parametrize(
+    "now",
+    ["code", {"code": 0.25, "web": 0.75}, {"web": 0.5, "code": 0.3, "books": 0.2}],
+    ids=["one-dataset", "other-order", "other-datasets"],
+)
+def test_a_mixture_state_is_kept_only_for_the_same_datasets_in_the_same_order(sent, answers, now):
+    """Another dataset at an epoch boundary opens from a probe, as before, both from a loaded
+    checkpoint and from where the process got to: the node refuses a mixture's state for a
+    request of other datasets (``state_mismatch``; before, such a state was kept)."""
+    ds = swt._DatasetMixin(now, socket="/nonexistent", batch_size=8, rank=0, world_size=1)
+    ds.set_epoch(1)
+    ds.load_state_dict({"epoch": 0, "stream": END_OF_0})
+    assert ds.state_dict() == {"epoch": 1, "stream": None}
+    assert list(ds) == []
+    assert opened(sent) == [(1, None), (2, {**PROBE, "epoch": 1})]
+
+    sent.clear()
+    ds = mixture()
+    answers.append(Batches(END_OF_0))
+    assert len(list(ds)) == 1
+    ds.dataset = now
+    ds.set_epoch(1)
+    assert list(ds) == []
+    assert opened(sent) == [(1, None), (1, None), (2, {**PROBE, "epoch": 1})]
 
 
 def test_a_worker_s_mixture_state_at_the_epoch_s_start_is_kept(sent, monkeypatch: pytest.MonkeyPatch):
@@ -195,6 +344,27 @@ def test_an_epoch_that_is_no_integer_at_least_0_is_refused_naming_it(bad):
     with pytest.raises(ValueError, match=r"^load_state_dict's state\['epoch'\] must be an integer >= 0, not "):
         ds.load_state_dict({"epoch": bad, "stream": None})
     assert ds.epoch == 0 and ds.state_dict() == {"epoch": 0, "stream": None}  # nothing changed
+
+
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_an_epoch_past_what_a_stream_counts_is_refused_naming_it_and_the_bound(epochs):
+    """The attach request's ``epochs`` (``epoch + epochs``) is 32 bits. Before,
+    ``set_epoch(2**32)`` was taken and the first item raised an error naming ``epochs`` (left
+    at 1), and 2**63 and more were truncated by the shared epoch's 64 bits."""
+    ds = swt._DatasetMixin("d", socket="/s", batch_size=8, epochs=epochs)
+    last = 2**32 - 1 - epochs
+    ds.set_epoch(last)
+    for bad in (last + 1, 2**32, 2**63, 2**64 + 1):
+        said = rf"{bad} with epochs={epochs} ends past the last epoch a stream counts: .*at most 2\*\*32 - 1 \(4294967295, .*so the epoch at most {last}$"
+        with pytest.raises(ValueError, match=f"^set_epoch's epoch {said}"):
+            ds.set_epoch(bad)
+        with pytest.raises(ValueError, match=rf"^load_state_dict's state\['epoch'\] {said}"):
+            ds.load_state_dict({"epoch": bad, "stream": None})
+        with pytest.raises(ValueError, match=f"^IterableDataset.epoch {said}"):
+            ds.epoch = bad
+    assert ds.epoch == last
+    with pytest.raises(ValueError, match=f"^start_epoch {last + 1} with epochs={epochs} ends past"):
+        swt.open_at_epoch(shardwire.Client("/nonexistent/trainer.sock"), "d", start_epoch=last + 1, epochs=epochs)
 
 
 def test_numpy_integer_epochs_are_taken():

@@ -335,11 +335,16 @@ impl Stream {
     /// takes at most 1/[`ANSWER_LEASE_SHARE`] of the region; None otherwise (nothing is
     /// waited for). A `next` with `count` adds ready batches to its answer with this: the
     /// trainer keeps an answer's batches leased until its next request, and in shard mode a
-    /// few large shards would otherwise hold the region and stop the fetch-ahead (batch
-    /// mode's ready-ahead batches take at most 1/16 of it when there are more than 2, so this
-    /// rarely limits batch mode: only batches over 1/8 of the region each, or ones assembled
-    /// while the answer is written). The batch added is counted: checking the leases before
-    /// it let one answer lease a slab past the share.
+    /// few large shards would otherwise hold the region and stop the fetch-ahead. The batch
+    /// added is counted (checking the leases before it let one answer lease a slab past the
+    /// share), and so is the answer's first, from [`Self::next`] (not checked): beside the
+    /// batch the trainer still holds, an answer carries `k` batches only when they are at most
+    /// 1/(4(k + 1)) of the region each: `count` 8 needs about 1/36, and 8 ready at 1/16 each
+    /// give 3. Batch mode keeps more than 2 batches ready only while they take at most 1/16
+    /// of the region together (`supply::ready_ahead`), so there this rarely limits: with 2
+    /// kept ready (batches above about 1/48 of the region each), it cuts an answer's second
+    /// batch for batches above 1/12 each, and later ones (assembled while the answer is
+    /// written) sooner.
     pub fn next_within_room(&self) -> Option<Batch> {
         let mut i = self.lock();
         if i.closed.is_some() {

@@ -20,16 +20,18 @@
 //! No disk operation runs under the cache's lock, which the dataset's FETCHes, hints and
 //! reads take (a cache disk that stops answering would hold them all, and the runtime's
 //! threads with them): the lock keeps the index only. [`DiskCache::lookup`] names an entry's
-//! file, opened outside the lock ([`Found::open`]). [`DiskCache::reserve`] decides and makes
-//! room in the index; the caller deletes the evicted entries' files
-//! ([`Reservation::discard_evicted`]), writes [`Reservation::temp`] and renames it into place
-//! ([`Reservation::install`]), or sets it aside if it is not kept, all outside the lock, and
-//! only then tells the cache ([`DiskCache::commit`] or `abort`). An entry taken out because
-//! it failed a check is deleted the same way ([`DiskCache::deleted`]). A shard whose old file
-//! is still being deleted is not reserved again until it is gone (it passes through this
-//! time), so no new file takes the name of one being deleted, and a reader that looked an
-//! entry up before it went opens either its whole file or none (then reads the store).
-//! Names that start with `.` (partial writes, discarded files) are deleted at the next start.
+//! file, opened outside the lock ([`Found::open`]; the dataset runs it on a blocking thread
+//! within a time limit, `RemoteDataset::cached`, so a stalled disk holds no runtime thread
+//! either). [`DiskCache::reserve`] decides and makes room in the index; the caller deletes the
+//! evicted entries' files ([`Reservation::discard_evicted`]), writes [`Reservation::temp`] and
+//! renames it into place ([`Reservation::install`]), or sets it aside if it is not kept, all
+//! outside the lock, and only then tells the cache ([`DiskCache::commit`] or `abort`). An
+//! entry taken out because it failed a check is deleted the same way ([`DiskCache::deleted`]).
+//! A shard whose old file is still being deleted is not reserved again until it is gone (it
+//! passes through this time), so no new file takes the name of one being deleted, and a
+//! reader that looked an entry up before it went opens either its whole file or none (then
+//! reads the store). Names that start with `.` (partial writes, discarded files) are deleted
+//! at the next start.
 
 mod claims;
 #[cfg(test)]
@@ -368,7 +370,7 @@ pub fn delete(p: &Path) {
 /// [`std::fs::rename`], which a test can hold back (`stall`).
 fn rename(from: &Path, to: &Path) -> std::io::Result<()> {
     #[cfg(test)]
-    stall::pass(to);
+    stall::pass(stall::Op::Rename, to);
     std::fs::rename(from, to)
 }
 
@@ -415,16 +417,22 @@ pub struct Found {
     pub verified: bool,
     /// Which entry it is ([`DiskCache::lost`]).
     pub id: u64,
+    /// The file system of the cache's directory (its `st_dev`): what bounds the disk
+    /// operations on its files (`crate::stat::Limiter`).
+    pub dev: u64,
 }
 
 impl Found {
-    /// Opens the entry's file (outside the cache's lock: an open can block on a stalled
-    /// disk). An entry whose file is gone (deleted behind the source's back, or just now
-    /// evicted) is handed to `lost` ([`DiskCache::lost`]: it leaves the index, named in the
-    /// log, so the shard is read and cached again instead of passing through uncached for
-    /// good); one that cannot be opened for another reason (out of file descriptors or
-    /// memory, permissions) stays, and this FETCH reads the shard from the store.
+    /// Opens the entry's file (outside the cache's lock, and off the runtime's threads: an
+    /// open can block on a stalled disk; a test can hold it back, `stall`). An entry whose
+    /// file is gone (deleted behind the source's back, or just now evicted) is handed to
+    /// `lost` ([`DiskCache::lost`]: it leaves the index, named in the log, so the shard is
+    /// read and cached again instead of passing through uncached for good); one that cannot
+    /// be opened for another reason (out of file descriptors or memory, permissions) stays,
+    /// and this FETCH reads the shard from the store.
     pub fn open(self, lost: impl FnOnce(u32, u64)) -> Option<Hit> {
+        #[cfg(test)]
+        stall::pass(stall::Op::Open, &self.path);
         match File::open(&self.path) {
             Ok(file) => Some(Hit {
                 file,
@@ -456,7 +464,8 @@ pub struct Hit {
     pub len: u64,
     /// False for an entry kept over a restart and not served since: check it first.
     pub verified: bool,
-    /// Which entry it is ([`DiskCache::remove_cut_short`]).
+    /// Which entry it is ([`DiskCache::remove_cut_short`], [`DiskCache::remove_unverified`],
+    /// [`DiskCache::verified`]).
     pub id: u64,
 }
 
@@ -464,6 +473,8 @@ pub struct Hit {
 #[derive(Debug)]
 pub struct DiskCache {
     dir: PathBuf,
+    /// The file system of `dir` (its `st_dev`; found by [`DiskCache::check_room`]).
+    dev: u64,
     capacity: u64,
     /// Bytes of entries plus reservations (shared with its claim).
     used: claims::Used,
@@ -555,6 +566,7 @@ impl DiskCache {
     fn empty(dir: &Path, capacity: u64) -> DiskCache {
         DiskCache {
             dir: dir.to_path_buf(),
+            dev: 0,
             capacity,
             used: claims::Used::default(),
             entries: HashMap::new(),
@@ -621,6 +633,7 @@ impl DiskCache {
             dir: self.dir.clone(),
             source,
         })?;
+        self.dev = fs;
         let claimed = claims::claim(fs, &self.dir, (self.capacity, &self.used), free);
         match claimed {
             Ok(c) => {
@@ -653,6 +666,7 @@ impl DiskCache {
             len: e.len,
             verified: e.verified,
             id: e.id,
+            dev: self.dev,
         })
     }
 
@@ -697,9 +711,14 @@ impl DiskCache {
         self.entries.contains_key(&shard) || self.reserved.contains_key(&shard)
     }
 
-    /// An entry was checked against its CRC.
-    pub fn verified(&mut self, shard: u32) {
-        if let Some(e) = self.entries.get_mut(&shard) {
+    /// `shard`'s entry `id` was checked against its CRC ([`Hit::id`]): unless another entry
+    /// of the shard was written since (before, a check of an old entry's file, which took a
+    /// while, marked the entry written since as checked, one a node had just reported corrupt
+    /// included).
+    pub fn verified(&mut self, shard: u32, id: u64) {
+        if let Some(e) = self.entries.get_mut(&shard)
+            && e.id == id
+        {
             e.verified = true;
         }
     }
@@ -712,14 +731,19 @@ impl DiskCache {
         }
     }
 
-    /// Takes `shard`'s entry out if it is still one not checked since a restart or a
-    /// [`Self::recheck`] (it failed its check; an entry written since, verified, stays), as
-    /// an evicted one ([`Self::evict`]): returns its file, to delete outside the lock
-    /// ([`delete`]: unlinking a large file is slow), then call [`Self::deleted`].
+    /// Takes `shard`'s entry `id` ([`Hit::id`]) out if it is still there and still not
+    /// checked since a restart or a [`Self::recheck`] (it failed its check; an entry written
+    /// since stays, even one a later recheck marked unchecked: before, a check of an old
+    /// entry's file that failed late deleted it), as an evicted one ([`Self::evict`]):
+    /// returns its file, to delete outside the lock ([`delete`]: unlinking a large file is
+    /// slow), then call [`Self::deleted`].
     #[must_use = "the file is deleted by `delete`, then `deleted` lets the shard be cached again"]
-    pub fn remove_unverified(&mut self, shard: u32) -> Option<PathBuf> {
-        let verified = self.entries.get(&shard).is_none_or(|e| e.verified);
-        if verified {
+    pub fn remove_unverified(&mut self, shard: u32, id: u64) -> Option<PathBuf> {
+        let same = self
+            .entries
+            .get(&shard)
+            .is_some_and(|e| e.id == id && !e.verified);
+        if !same {
             return None;
         }
         self.evict(shard)

@@ -51,6 +51,10 @@ pub struct Hints {
     naming: HashMap<u32, Vec<(StreamKey, usize)>>,
     /// Entries per node session.
     per_session: HashMap<u64, usize>,
+    /// Shards whose last entry went since the last [`Hints::take_unnamed`] (some may be named
+    /// again since): the dataset looks at those of them in memory (no longer hinted, they may
+    /// be dropped), not at every shard in memory.
+    unnamed: Vec<u32>,
 }
 
 impl Hints {
@@ -97,7 +101,7 @@ impl Hints {
             return;
         };
         for (i, &s) in h.shards.iter().enumerate() {
-            unname(&mut self.naming, s, (key, h.base + i));
+            unname(&mut self.naming, &mut self.unnamed, s, (key, h.base + i));
         }
         self.count_off(key.0, h.shards.len());
     }
@@ -119,7 +123,7 @@ impl Hints {
         };
         let n = (at + 1).min(h.shards.len());
         for s in h.shards.drain(..n) {
-            unname(&mut self.naming, s, (key, h.base));
+            unname(&mut self.naming, &mut self.unnamed, s, (key, h.base));
             h.base += 1;
         }
         if h.shards.is_empty() {
@@ -224,11 +228,20 @@ impl Hints {
     pub fn is_empty(&self) -> bool {
         self.lists.is_empty()
     }
+
+    /// The shards whose last entry went since the last call (a hint replaced or withdrawn, a
+    /// session forgotten, entries used up), each as often as that happened; some may be named
+    /// again since (a hint replaced by one that names them too): ask [`Self::next_use`].
+    pub fn take_unnamed(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.unnamed)
+    }
 }
 
-/// Removes entry `entry` of `shard` from `naming`.
+/// Removes entry `entry` of `shard` from `naming`; `shard` goes to `unnamed` if that was its
+/// last.
 fn unname(
     naming: &mut HashMap<u32, Vec<(StreamKey, usize)>>,
+    unnamed: &mut Vec<u32>,
     shard: u32,
     entry: (StreamKey, usize),
 ) {
@@ -238,6 +251,7 @@ fn unname(
         }
         if v.is_empty() {
             naming.remove(&shard);
+            unnamed.push(shard);
         }
     }
 }
@@ -260,6 +274,25 @@ mod tests {
         assert_eq!(h.next_use(6), Some(1));
         assert_eq!(h.next_use(9), None);
         assert_eq!(order(&h), vec![5, 7, 6, 8]);
+    }
+
+    /// Each change lists the shards that lost their last entry, so the dataset looks at those
+    /// in memory only (before, its prefetch task looked at every shard in memory at each wake).
+    #[test]
+    fn the_shards_that_lose_their_last_entry_are_listed() {
+        let mut h = Hints::default();
+        h.set((1, 1), vec![1, 2, 3]).unwrap();
+        h.set((1, 2), vec![3, 4]).unwrap();
+        assert!(h.take_unnamed().is_empty(), "nothing named went");
+        h.set((1, 1), vec![2, 5]).unwrap();
+        let mut gone = h.take_unnamed();
+        gone.retain(|&s| h.next_use(s).is_none());
+        assert_eq!(gone, [1], "2 is named again, 3 by the other stream");
+        h.consumed_by_session(1, 5);
+        assert_eq!(h.take_unnamed(), [2, 5], "used up");
+        h.forget_session(1);
+        assert_eq!(h.take_unnamed(), [3, 4]);
+        assert!(h.take_unnamed().is_empty(), "taken");
     }
 
     #[test]

@@ -15,9 +15,13 @@
 //! writes are behind by more than [`RemoteDataset::write_budget`] passes through uncached. At
 //! most [`CACHE_WRITERS`] writes of a dataset run at once (each on a blocking thread): small
 //! shards, many of them within that budget, do not take the runtime's blocking threads from
-//! the checks of local shard files and the other datasets.
+//! the checks of local shard files and the other datasets. A FETCH of a cached shard opens,
+//! measures and (after a restart or a node's report) CRC-checks its entry's file on blocking
+//! threads within a time limit, a few per file system ([`disk`]): a cache disk that stops
+//! answering makes its FETCHes read the store, and holds none of the runtime's threads.
 
 pub mod cache;
+mod disk;
 pub mod hints;
 mod open;
 mod prefetch;
@@ -25,7 +29,7 @@ pub mod read;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -84,6 +88,12 @@ struct State {
     loading: HashMap<u32, Loading>,
     /// Bytes the prefetch task is reading.
     prefetching: u64,
+    /// Shards in memory that no hint names and no FETCH under way wants, noted as they became
+    /// so (a hint changed, a FETCH ended, a shard was put in memory:
+    /// [`State::maybe_droppable`]): what [`RemoteDataset::drop_unhinted`] looks at, instead of
+    /// every shard in memory at every wake. One may have been hinted, wanted or taken since:
+    /// it is looked at again before it is dropped.
+    droppable: HashSet<u32>,
     /// Shards not to be read ahead again yet: their last read failed.
     backoff: prefetch::Backoff,
     /// Where the prefetch task's last look at the hints stopped (`prefetch::SCAN`).
@@ -103,6 +113,9 @@ pub struct RemoteDataset {
     /// Per shard: (object index, range, CRC-32C).
     shards: Vec<Want>,
     cache: Option<Mutex<DiskCache>>,
+    /// How its cache's disk operations on a FETCH (open, `fstat`, CRC read, unlink) are
+    /// bounded: on blocking threads, within a time limit, a few per file system.
+    disk: disk::CacheDisk,
     state: Mutex<State>,
     /// Bytes prefetched shards may hold in memory.
     budget: u64,
@@ -146,6 +159,7 @@ impl RemoteDataset {
             objects: o.objects,
             shards: o.shards,
             cache: o.cache.map(Mutex::new),
+            disk: disk::CacheDisk::shared(),
             state: Mutex::new(State::default()),
             budget,
             wake: Notify::new(),
@@ -185,7 +199,11 @@ impl RemoteDataset {
     pub fn hint(&self, session: u64, stream: u64, shards: Vec<u32>) {
         let n = self.shards.len() as u32;
         let shards: Vec<u32> = shards.into_iter().filter(|&s| s < n).collect();
-        if let Err(streams) = self.state().hints.set((session, stream), shards) {
+        let mut st = self.state();
+        let set = st.hints.set((session, stream), shards);
+        st.hints_changed();
+        drop(st);
+        if let Err(streams) = set {
             tracing::warn!(
                 dataset = %self.name,
                 session,
@@ -202,7 +220,10 @@ impl RemoteDataset {
 
     /// Node session `session` ended: its hints go.
     pub fn forget_session(&self, session: u64) {
-        self.state().hints.forget_session(session);
+        let mut st = self.state();
+        st.hints.forget_session(session);
+        st.hints_changed();
+        drop(st);
         self.wake.notify_one();
     }
 
@@ -217,8 +238,10 @@ impl RemoteDataset {
     /// out of its queue takes them first ([`Self::take_ready`]).
     pub(crate) fn want(self: &Arc<Self>, session: u64, shard: u32) -> Wanted {
         let mut st = self.state();
-        st.hints.consumed_by_session(session, shard);
+        // Wanted first: the shard's own hint entry goes, and it is not droppable meanwhile.
         st.wanted.entry(shard).or_default().fetches += 1;
+        st.hints.consumed_by_session(session, shard);
+        st.hints_changed();
         Wanted {
             dataset: Arc::clone(self),
             shard,
@@ -376,68 +399,6 @@ impl RemoteDataset {
         Some(taken)
     }
 
-    /// The cached entry of `shard` as a payload; an entry kept over a restart, or one a node
-    /// reported corrupt ([`Self::corrupt_reported`]), is checked against its CRC first (and
-    /// deleted if it fails). The cache's lock is held for its index only: the entry's file is
-    /// opened, measured and checked outside it (before, it was opened under it).
-    async fn cached(self: &Arc<Self>, shard: u32) -> Option<Body> {
-        let cache = self.cache.as_ref()?;
-        let found = cache.lock().expect("poisoned").lookup(shard)?;
-        let hit = found.open(|s, id| cache.lock().expect("poisoned").lost(s, id))?;
-        // A file cut short since it was written (a disk error, an operator) would end the
-        // node's whole session mid-payload, again on every session it is sent to.
-        let size = hit.file.metadata().map(|m| m.len());
-        if size.as_ref().ok() != Some(&hit.len) {
-            let found = size.map_or_else(|e| format!("unreadable: {e}"), |n| format!("{n} bytes"));
-            tracing::warn!(dataset = %self.name, shard, want = hit.len, %found,
-                "a cache entry is not the length it was written with; deleted, reading the shard again");
-            let doomed = cache
-                .lock()
-                .expect("poisoned")
-                .remove_cut_short(shard, hit.id);
-            self.discard(shard, doomed).await;
-            return None;
-        }
-        if !hit.verified {
-            let want = self.shards[shard as usize].crc32c;
-            let file = hit.file.try_clone().ok()?;
-            let got = tokio::task::spawn_blocking(move || file_crc(&file))
-                .await
-                .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-            if got.as_ref().ok() != Some(&want) {
-                let found =
-                    got.map_or_else(|e| format!("unreadable: {e}"), |crc| format!("{crc:#010x}"));
-                tracing::warn!(dataset = %self.name, shard, want = format_args!("{want:#010x}"), %found,
-                    "a cache entry failed its CRC check (kept over a restart, or reported corrupt by a node); deleted, reading the shard again");
-                let doomed = cache.lock().expect("poisoned").remove_unverified(shard);
-                self.discard(shard, doomed).await;
-                return None;
-            }
-            cache.lock().expect("poisoned").verified(shard);
-        }
-        Some(Body::File {
-            file: Arc::new(hit.file),
-            offset: 0,
-        })
-    }
-
-    /// Deletes `doomed`, the file of `shard`'s entry taken out of the cache's index, on a
-    /// blocking thread (unlinking a large file can take a while, and a disk can stall: this
-    /// runs on the runtime's), then lets the cache take the shard again
-    /// ([`DiskCache::deleted`]), on that thread too: a FETCH cancelled meanwhile leaves no
-    /// shard that is never cached again.
-    async fn discard(self: &Arc<Self>, shard: u32, doomed: Option<std::path::PathBuf>) {
-        let Some(p) = doomed else { return };
-        let me = Arc::clone(self);
-        let _ = tokio::task::spawn_blocking(move || {
-            cache::delete(&p);
-            if let Some(c) = &me.cache {
-                c.lock().expect("poisoned").deleted(shard);
-            }
-        })
-        .await;
-    }
-
     /// Registers a read of `shards` (none of them being read: the caller checked under the
     /// same lock, `st`), so nobody starts another, before it runs.
     fn begin(&self, st: &mut State, shards: Vec<u32>, prefetch: bool) -> Reading {
@@ -564,6 +525,7 @@ impl RemoteDataset {
             // Not expected (one read per shard at a time), but the count stays true.
             st.ready_bytes -= old.iter().map(|p| p.len() as u64).sum::<u64>();
         }
+        st.maybe_droppable(shard); // read ahead for a hint withdrawn meanwhile
         None
     }
 
@@ -762,6 +724,7 @@ impl Drop for Wanted {
             n.took -= usize::from(self.took);
             if n.fetches == 0 {
                 st.wanted.remove(&self.shard);
+                st.maybe_droppable(self.shard);
             }
         }
     }
@@ -820,20 +783,6 @@ impl Drop for Registered {
         st.prefetching -= self.prefetching;
         drop(st);
         self.dataset.wake.notify_one();
-    }
-}
-
-/// CRC-32C of a whole file.
-fn file_crc(file: &std::fs::File) -> std::io::Result<u32> {
-    use std::io::Read;
-    let mut crc = shardwire_protocol::crc::Crc32c::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut r = file;
-    loop {
-        match r.read(&mut buf)? {
-            0 => return Ok(crc.finish()),
-            n => crc.update(&buf[..n]),
-        }
     }
 }
 

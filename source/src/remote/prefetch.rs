@@ -4,9 +4,10 @@
 //! (the window's ceiling times the request size) and at the memory budget for shards held
 //! in memory (with a cache too: a shard it does not admit stays in memory, and one it admits
 //! is held until it is written); shards held in memory that no hint names any more are
-//! dropped when memory runs short (counted as wasted). A shard whose read failed is not read
-//! ahead again before its [`Backoff`] ends. One wake looks at a bounded stretch of the order
-//! ([`SCAN`]), with sets the task keeps from wake to wake ([`Scratch`]).
+//! dropped when memory runs short (counted as wasted), found as they become so
+//! ([`State::droppable`]), not by looking at every shard in memory. A shard whose read failed
+//! is not read ahead again before its [`Backoff`] ends. One wake looks at a bounded stretch of
+//! the order ([`SCAN`]), with sets the task keeps from wake to wake ([`Scratch`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -241,12 +242,14 @@ impl RemoteDataset {
 
     /// Drops shards held in memory that no hint names (their stream went away) and no FETCH
     /// under way waits for, while they hold more than half the memory budget; returns how
-    /// many shards in memory it looked at. With half the budget or less held, it drops
-    /// nothing and looks at none: it runs at every wake of the prefetch task, under the
-    /// dataset's lock (before, each wake looked up every shard in memory first, up to 32 Ki
-    /// of 16 KiB shards, to drop none of them).
+    /// many shards it looked at. It looks only at the shards noted as such since
+    /// ([`State::droppable`]), and at none while half the budget or less is held: it runs at
+    /// every wake of the prefetch task, under the dataset's lock. Before, each wake with more
+    /// than half held looked up every shard in memory (up to 32 Ki of 16 KiB shards), though
+    /// the read ahead keeps memory near the budget and every shard there was hinted.
     pub(super) fn drop_unhinted(&self, st: &mut State) -> usize {
-        let looked = match st.ready_bytes > self.budget / 2 {
+        let short = st.ready_bytes > self.budget / 2 && !st.droppable.is_empty();
+        let looked = match short {
             true => self.drop_stale(st),
             false => 0,
         };
@@ -255,26 +258,67 @@ impl RemoteDataset {
         looked
     }
 
-    /// [`Self::drop_unhinted`] once memory is short: drops unhinted, unwanted shards until
-    /// half the budget or less is held; returns the shards it looked at.
+    /// [`Self::drop_unhinted`] once memory is short: drops the noted shards that are still
+    /// unhinted, unwanted and in memory until half the budget or less is held (those not
+    /// looked at stay noted); returns the shards it looked at.
     fn drop_stale(&self, st: &mut State) -> usize {
-        let stale: Vec<u32> = st
-            .ready
-            .keys()
-            .copied()
-            .filter(|&s| st.hints.next_use(s).is_none() && !st.wanted.contains_key(&s))
-            .collect();
-        let looked = st.ready.len();
-        for s in stale {
+        let noted: Vec<u32> = st.droppable.drain().collect();
+        let mut looked = 0;
+        for (i, &s) in noted.iter().enumerate() {
             if st.ready_bytes <= self.budget / 2 {
+                st.droppable.extend(&noted[i..]);
                 break;
             }
-            let parts = st.ready.remove(&s).expect("listed");
+            looked += 1;
+            if !st.droppable_now(s) {
+                continue; // hinted, wanted or taken since it was noted
+            }
+            let parts = st.ready.remove(&s).expect("in memory");
             let n: u64 = parts.iter().map(|p| p.len() as u64).sum();
             st.ready_bytes -= n;
             metrics::counter!("shardwire_source_prefetch_wasted_bytes_total").increment(n);
         }
         looked
+    }
+}
+
+/// Noted shards ([`State::droppable`]) past which the note is pruned of those no longer
+/// droppable, beyond twice the shards in memory.
+const NOTED_SLACK: usize = 64;
+
+impl State {
+    /// Whether `shard` may be dropped from memory: it is there, no hint names it and no FETCH
+    /// under way wants it.
+    fn droppable_now(&self, shard: u32) -> bool {
+        self.ready.contains_key(&shard)
+            && self.hints.next_use(shard).is_none()
+            && !self.wanted.contains_key(&shard)
+    }
+
+    /// `shard` may just have become droppable (its last FETCH under way ended, it was put in
+    /// memory): noted if it is ([`State::droppable`]).
+    pub(super) fn maybe_droppable(&mut self, shard: u32) {
+        if !self.droppable_now(shard) {
+            return;
+        }
+        // Those hinted, wanted or taken since they were noted go once they are many: a prune
+        // keeps at most the shards in memory, half of what it looks at or less, so it costs
+        // O(1) per note, amortized.
+        if self.droppable.len() >= 2 * self.ready.len() + NOTED_SLACK {
+            let mut noted = std::mem::take(&mut self.droppable);
+            noted.retain(|&s| self.droppable_now(s));
+            self.droppable = noted;
+        }
+        self.droppable.insert(shard);
+    }
+
+    /// The hints changed: the shards that lost their last entry
+    /// ([`super::hints::Hints::take_unnamed`]) and are droppable are noted. Costs the entries
+    /// the change removed, which it paid already.
+    pub(super) fn hints_changed(&mut self) {
+        for s in self.hints.take_unnamed() {
+            self.maybe_droppable(s);
+        }
     }
 }
 

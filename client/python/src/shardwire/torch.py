@@ -22,7 +22,8 @@ not stack batches. Both modes resume through ``StatefulDataLoader`` (any ``num_w
 exactly: each process's ``state_dict()`` holds its stream's position after the last item it
 yielded, and ``load_state_dict()`` makes the node start there, with nothing replayed (a
 checkpoint saved after an epoch ended, resumed with ``set_epoch(epoch + 1)``, starts that
-epoch in full; a mixture's from the saved position, which holds every dataset's cursor).
+epoch in full; a mixture's from the saved position, which holds every dataset's cursor, and
+every later epoch from where the one before ended).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import multiprocessing
 import multiprocessing.context
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -97,6 +98,7 @@ def open_at_epoch(
     opts.update(_transport_keywords(client, idle_timeout))
     if start_epoch < 0:
         raise ValueError(f"start_epoch must be >= 0, not {start_epoch}")
+    _check_epoch_end("start_epoch", start_epoch, epochs)
     if start_epoch == 0:
         return client.open_stream(dataset, epochs=epochs, **opts)
     with client.open_stream(dataset, epochs=1, **opts) as probe:
@@ -189,12 +191,34 @@ def _ddp_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def _epoch_arg(what: str, epoch: Any) -> int:
-    """`epoch` as an int, if it is an integer >= 0 (an int or a numpy integer; not a bool);
-    else ValueError naming `what` and the value (before, ``set_epoch(-1)`` opened other
-    epochs, and ``set_epoch(1.5)`` epoch 1)."""
+#: The most epochs a stream counts: its attach request's ``epochs`` (the epoch after its last,
+#: ``epoch + epochs`` for an iteration that starts at ``epoch``) is a 32-bit field.
+_EPOCHS_END = 2**32 - 1
+
+
+def _check_epoch_end(what: str, epoch: int, epochs: Any) -> None:
+    """ValueError naming `what`, `epoch` and the bound when a stream that starts at `epoch`
+    and delivers `epochs` would count past :data:`_EPOCHS_END` (before, ``set_epoch(2**32)``
+    was taken, and the first item raised an error about ``epochs``, the keyword left at 1;
+    2**63 and more were truncated by the shared epoch's 64 bits). An `epochs` that is no
+    integer counts as 1 here: the stream's open refuses it, naming it."""
+    n = _as_int(epochs) if _is_int(epochs) else 1
+    if epoch + n > _EPOCHS_END:
+        raise ValueError(
+            f"{what} {epoch} with epochs={n} ends past the last epoch a stream counts: epoch + "
+            f"epochs must be at most 2**32 - 1 ({_EPOCHS_END}, the attach request's epochs "
+            f"field), so the epoch at most {_EPOCHS_END - n}"
+        )
+
+
+def _epoch_arg(what: str, epoch: Any, epochs: Any = 1) -> int:
+    """`epoch` as an int, if it is an integer >= 0 (an int or a numpy integer; not a bool)
+    that a stream of `epochs` starting there can count to (:func:`_check_epoch_end`); else
+    ValueError naming `what` and the value (before, ``set_epoch(-1)`` opened other epochs,
+    and ``set_epoch(1.5)`` epoch 1)."""
     if not _is_int(epoch) or _as_int(epoch) < 0:
         raise ValueError(f"{what} must be an integer >= 0, not {epoch!r}")
+    _check_epoch_end(what, _as_int(epoch), epochs)
     return _as_int(epoch)
 
 
@@ -243,6 +267,7 @@ class _DatasetMixin:
     _gens = 0
     _pos_owner = 0
     _named = 0
+    _finished: tuple[dict[str, Any], tuple[int, int]] | None = None
     idle_timeout: float | None = None
 
     def __init__(
@@ -287,6 +312,12 @@ class _DatasetMixin:
         # decodes them), and one to resume from.
         self._stream_state: dict[str, Any] | bytes | None = None
         self._resume: dict[str, Any] | None = None
+        # A mixture's position at an epoch's start that an iteration of this process reached
+        # (its end) or started at, and the (worker, workers) of that process: the start of the
+        # next epoch, or this one's again after a `break` (see `_finished_at`). Not `_resume`,
+        # which the next iteration takes whatever its epoch: the same epoch again would resume
+        # at its end, to nothing.
+        self._finished = None
         # Iterations are numbered by `iter(dataset)` (`_gens`, the latest's number); the
         # position (`_stream_state`, and `_resume` after an error) is that of `_pos_owner`: the
         # latest, until another yields an item (a peek `next(iter(ds))` inside a loop must
@@ -305,7 +336,7 @@ class _DatasetMixin:
 
     @epoch.setter
     def epoch(self, value: int) -> None:
-        self._epoch.value = _epoch_arg("IterableDataset.epoch", value)
+        self._epoch.value = _epoch_arg("IterableDataset.epoch", value, self.options.epochs)
 
     def __getstate__(self) -> dict[str, Any]:
         """The dataset as a DataLoader sends it to a worker process: with its DDP rank and
@@ -379,17 +410,22 @@ class _DatasetMixin:
         ``DistributedSampler.set_epoch``. Call it before iterating the loader each epoch.
 
         It forgets the position of the previous iteration, so a ``state_dict()`` taken before
-        the next item resumes at the start of `epoch`. ``StatefulDataLoader`` loads a saved
+        the next item resumes at the start of `epoch` (a mixture's: the position where this
+        process's iteration before reached it, if it ran to its end there, which holds every
+        dataset's cursor; see :meth:`_keeps`). ``StatefulDataLoader`` loads a saved
         state after ``set_epoch`` (with ``num_workers=0``, even the state of an iteration that
         had ended): see :meth:`load_state_dict` for which of the two the next iteration
         follows.
 
         Raises:
-            ValueError: `epoch` is not an integer >= 0.
+            ValueError: `epoch` is not an integer >= 0, or ``epoch + epochs`` is past
+                ``2**32 - 1`` (the most epochs a stream counts).
         """
-        epoch = _epoch_arg("set_epoch's epoch", epoch)
-        if epoch != self.epoch:
-            self._move_resume(epoch)  # another epoch wins over where this one stopped
+        epoch = _epoch_arg("set_epoch's epoch", epoch, self.options.epochs)
+        if epoch != self.epoch or self._resume is None:
+            # Another epoch wins over where this one stopped; a mixture's starts where this
+            # process reached it (`_finished_at`), which a checkpoint taken now names too.
+            self._move_resume(epoch)
         self._named += 1
         self._own_epoch = None
         self.epoch = epoch
@@ -419,7 +455,8 @@ class _DatasetMixin:
         after an epoch ends and resumes with ``set_epoch(e + 1)``, in either order). A
         mixture's state that lies exactly at the start of that epoch is kept and resumed
         from: it holds every dataset's cursor, so each dataset continues from it (under the
-        weights given now, if they changed); see :meth:`_keeps`. Until the next item,
+        weights given now, if they changed), and each later epoch from where the one before
+        ended; see :meth:`_keeps`. Until the next item,
         :meth:`state_dict` returns the position loaded here. In shard mode the saved stream is
         this process's own (one rank of ``world_size * num_workers``): resume with the same
         world size and ``num_workers``, or the node refuses (``ServiceError``
@@ -428,7 +465,7 @@ class _DatasetMixin:
         Raises:
             ValueError: `state` is not a dict with keys ``"epoch"`` and ``"stream"`` (e.g. a
                 stream's own ``Stream.state_dict()``), or its ``"epoch"`` is not an integer
-                >= 0.
+                >= 0 (or ``state["epoch"] + epochs`` is past ``2**32 - 1``).
         """
         if not isinstance(state, dict) or "epoch" not in state or "stream" not in state:
             got = f"a dict of keys {list(state)}" if isinstance(state, dict) else f"a {type(state).__name__}"
@@ -439,9 +476,10 @@ class _DatasetMixin:
                 "Client.open_stream(state=...), or goes here as {'epoch': <the epoch the "
                 "iteration started at>, 'stream': <it>}"
             )
-        epoch = _epoch_arg("load_state_dict's state['epoch']", state["epoch"])
+        epoch = _epoch_arg("load_state_dict's state['epoch']", state["epoch"], self.options.epochs)
         stream = state["stream"]
         self._named += 1
+        self._finished = None  # the loaded position replaces where this process got to
         if stream is not None and self.epoch > epoch and self._ended(epoch, stream):
             # StatefulDataLoader (num_workers=0) loads the state of a finished iteration too,
             # after `set_epoch` named the next one: that epoch starts whole, from this state
@@ -484,30 +522,51 @@ class _DatasetMixin:
         """True if `stream`, a position saved in an iteration of another epoch, is kept as the
         start of `epoch`, the epoch :meth:`set_epoch` named (which otherwise wins over it, and
         opens from a probe's ``{epoch, index: 0}``): a mixture's position exactly at that
-        epoch's start (index below the worker count, none of the epoch taken). It holds every
-        dataset's cursor, and the node resumes each dataset from it (under the weights given
-        now, if they changed); from a probe's state the node replays the schedule from its
-        start under the weights given now, which repeats and skips samples where they changed
+        epoch's start (index below the worker count, none of the epoch taken), of the
+        datasets this one mixes, in its order. It holds every dataset's cursor, and the node
+        resumes each dataset from it (under the weights given now, if they changed); from a
+        probe's state the node replays the schedule from its start under the weights given
+        now, which repeats and skips samples where they changed, then or in any earlier epoch
         (``{web: .5, code: .5}`` for an epoch, then ``.75 / .25``: web's second quarter never
         comes, code's second half twice). Other states are not kept: a probe gives the same
-        start for them, and leaves free what such a state pins (the seed, the dataset's
-        shards; in shard mode the world size and ``num_workers``) at an epoch boundary."""
+        start for them, and leaves free what such a state pins at an epoch boundary (the
+        seed, the dataset's shards; in shard mode the world size and ``num_workers``; the
+        datasets of a mixture: another mixture, or one dataset, opens from a probe)."""
         return (
             isinstance(stream, dict)
             and isinstance(stream.get("mix"), dict)
             and self.options.batch_size is not None
+            and self._mixes(stream["mix"])
             and _is_int(stream.get("epoch"))
             and _as_int(stream["epoch"]) == epoch
             and not self._inside(stream)
         )
 
+    def _mixes(self, mix: dict[str, Any]) -> bool:
+        """True if this dataset is a mixture of the datasets a state's `mix` names, in the same
+        order (the names it sends, ``str(name)``): the node resumes a mixture's state only
+        so, and refuses another (``state_mismatch``) where a probe opens it."""
+        names = mix.get("datasets")
+        return isinstance(self.dataset, Mapping) and names == [str(name) for name in self.dataset]
+
+    def _finished_at(self, epoch: int) -> dict[str, Any] | None:
+        """`_finished`, the position at an epoch's start this process reached, where
+        :meth:`_keeps` keeps it as the start of `epoch` and this is the process (the
+        DataLoader worker, of as many) it was reached in; else None."""
+        if self._finished is None:
+            return None
+        stream, where = self._finished
+        return stream if where == _worker() and self._keeps(epoch, stream) else None
+
     def _move_resume(self, epoch: int) -> None:
         """Makes `_resume` that of the next iteration, which starts at `epoch`, another epoch
-        than the one it was saved in: kept where :meth:`_keeps` says, else dropped."""
-        if self._resume is not None and self._keeps(epoch, self._resume):
-            self._resume_epoch = epoch
-        else:
-            self._resume = None
+        than the one it was saved in, or none: kept where :meth:`_keeps` says, else the
+        position this process reached at that epoch's start (:meth:`_finished_at`: a
+        mixture, once its weights changed, goes on from its cursors in every later epoch,
+        not only the first after the change), else dropped."""
+        if self._resume is None or not self._keeps(epoch, self._resume):
+            self._resume = self._finished_at(epoch)
+        self._resume_epoch = epoch
 
     def _ended(self, epoch: int, stream: dict[str, Any]) -> bool:
         """True if `stream`, a position saved in the iteration that started at `epoch`, lies at
@@ -560,9 +619,12 @@ class _DatasetMixin:
         return self._iterate(self._gens, start, epoch, self._named)
 
     def _start(self) -> tuple[dict[str, Any] | None, int]:
-        """Where the next iteration starts (None: its epoch's start) and its epoch."""
-        if self._resume is not None and self._resume_epoch != self.epoch:
-            self._move_resume(self.epoch)  # saved before `set_epoch` named another epoch
+        """Where the next iteration starts (None: its epoch's start, from a probe) and its
+        epoch."""
+        if self._resume is None or self._resume_epoch != self.epoch:
+            # Saved before `set_epoch` named another epoch; or none (a mixture then starts
+            # where this process reached that epoch's start, if it did).
+            self._move_resume(self.epoch)
         return self._resume, self.epoch
 
     def _iterate(
@@ -579,6 +641,8 @@ class _DatasetMixin:
             start, epoch = self._start()
         if gen == self._pos_owner:
             self._stream_state, self._state_epoch = start, epoch
+        if start is not None and self._keeps(epoch, start):
+            self._finished = (start, _worker())  # this epoch again (after a `break`) starts here
         taken = start is not None and start is self._resume
         if taken:
             self._resume = None  # taken by this iteration
@@ -608,6 +672,22 @@ class _DatasetMixin:
             elif taken and not took and self._resume is None:
                 self._resume, self._resume_epoch = start, epoch  # not taken after all
             raise
+        if gen == self._pos_owner:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Keeps the position of a mixture's iteration that ran to its end (the start of the
+        epoch after it) in `_finished`: the next epoch starts there, every dataset at its
+        cursor (see :meth:`_keeps`); before, it opened from a probe, and a run whose weights
+        had changed (on a resume, or ``ds.dataset = {...}`` between epochs) repeated and
+        skipped samples from the second epoch after the change on."""
+        if not isinstance(self.dataset, Mapping) or self.options.batch_size is None:
+            return
+        state = self._stream_state
+        if isinstance(state, bytes):
+            state = self._stream_state = _binary.decode_state(state)
+        if isinstance(state, dict) and isinstance(state.get("mix"), dict):
+            self._finished = (state, _worker())
 
     def _open_shards(self, client: Client | HttpClient, state: dict[str, Any] | None, epoch: int) -> Stream | HttpStream:
         """The shard-mode stream of this process: stream rank ``effective_rank(rank,

@@ -281,14 +281,16 @@ fn a_failed_check_deletes_only_an_entry_not_checked_since_a_restart() {
     }
     let (mut c, _) = DiskCache::open(dir.path(), 1000, |s| Some((name(s), 100))).unwrap();
     put(&mut c, 1, &HashMap::new()).unwrap();
-    assert!(c.remove_unverified(1).is_none());
+    let id1 = c.lookup(1).expect("cached").id;
+    assert!(c.remove_unverified(1, id1).is_none());
     assert!(
         get(&mut c, 1).is_some(),
         "written since the restart: verified, kept"
     );
     // Taken out of the index under the cache's lock; its file is deleted after, outside it
     // (before, it was renamed aside, or unlinked, under the lock).
-    let doomed = c.remove_unverified(0).expect("taken out");
+    let id0 = c.lookup(0).expect("kept").id;
+    let doomed = c.remove_unverified(0, id0).expect("taken out");
     assert!(get(&mut c, 0).is_none());
     assert_eq!((c.used(), c.len()), (100, 1));
     assert_eq!(doomed, dir.path().join(name(0)));
@@ -300,8 +302,49 @@ fn a_failed_check_deletes_only_an_entry_not_checked_since_a_restart() {
     delete(&doomed);
     c.deleted(0);
     assert!(!doomed.exists());
-    assert!(c.remove_unverified(0).is_none(), "gone already");
+    assert!(c.remove_unverified(0, id0).is_none(), "gone already");
     put(&mut c, 0, &HashMap::new()).expect("cached again");
+}
+
+/// Two FETCHes check the same entry kept over a restart, whose bytes are bad; the first
+/// result deletes it, the shard is cached again (good bytes) and then reported corrupt. The
+/// other FETCH's check of the old file, ending last, neither deletes the new entry nor marks
+/// it checked. Before, both took the shard only: the stale failure deleted the good entry (a
+/// needless delete and GET), and a stale success skipped the recheck a node asked for.
+#[test]
+fn a_late_check_of_an_old_entry_leaves_the_entry_written_since_alone() {
+    let dir = tempdir();
+    {
+        let (mut c, _) = DiskCache::open(dir.path(), 1000, |_| None).unwrap();
+        put(&mut c, 0, &HashMap::new()).unwrap();
+    }
+    let (mut c, _) = DiskCache::open(dir.path(), 1000, |s| Some((name(s), 100))).unwrap();
+    let (f1, f2) = (get(&mut c, 0).expect("kept"), get(&mut c, 0).expect("kept"));
+    assert!(!f1.verified && f1.id == f2.id, "one entry, not checked yet");
+    // F2's check fails first: the entry goes, its file is deleted.
+    let doomed = c.remove_unverified(0, f2.id).expect("taken out");
+    delete(&doomed);
+    c.deleted(0);
+    // Read again and cached (verified), then a node reports its bytes.
+    put(&mut c, 0, &HashMap::new()).expect("cached again");
+    c.recheck(0);
+    let new = c.lookup(0).expect("the new entry").id;
+    assert_ne!(new, f1.id);
+    // F1's check of the old file ends now.
+    c.verified(0, f1.id);
+    assert!(
+        !c.lookup(0).expect("kept").verified,
+        "still to be checked, as the report asked"
+    );
+    assert!(
+        c.remove_unverified(0, f1.id).is_none(),
+        "the entry written since stays"
+    );
+    assert!(c.holds(0) && c.used() == 100);
+    assert!(dir.path().join(name(0)).exists(), "its file too");
+    // Its own check counts.
+    c.verified(0, new);
+    assert!(c.lookup(0).expect("kept").verified);
 }
 
 #[test]
@@ -739,8 +782,9 @@ fn the_cache_bytes_gauge_is_per_dataset_set_at_open_and_at_every_change() {
     std::fs::remove_file(dir.path().join(name(1))).unwrap();
     assert!(get(&mut c, 1).is_none());
     assert_eq!(value.get(), 200.0, "an entry whose file went");
+    let kept = c.lookup(0).expect("kept").id;
     let doomed = c
-        .remove_unverified(0)
+        .remove_unverified(0, kept)
         .expect("not checked since the restart");
     assert_eq!(value.get(), 100.0, "an entry that failed its check");
     delete(&doomed);
