@@ -114,6 +114,10 @@ const COUNTERS: &[(&str, &str)] = &[
         "Disk cache entries evicted to make room: cold entries (no hint names them, not served lately), least recently served first",
     ),
     (
+        "shardwire_source_cache_disk_given_up_total",
+        "FETCHes whose operation on the cache disk (open, CRC read, unlink) did not answer in time or could not start: the shard was read from the store instead",
+    ),
+    (
         "shardwire_source_cache_writes_behind_total",
         "Shards not offered to the disk cache because its writes were behind (its disk is slower than the store): served from memory, cached when read again",
     ),
