@@ -26,10 +26,15 @@
 //! where the check is made, without a thread: its `fstat` answers from the inode cache, and two
 //! thread hops per FETCH kept a node from fetching shards of a few KiB ahead of its trainer.
 //!
-//! The bound itself ([`Limiter`]: a time limit, [`FS_CHECKS`] at once per file system, refused
-//! at once while one hangs) also runs the disk operations of the object-storage datasets'
-//! caches (`remote`: the open, `fstat`, CRC read and unlink of a cache entry), with a limiter
-//! of their own.
+//! The bound itself ([`Limiter`]: a time limit, a few at once per file system, refused at once
+//! while one hangs) also runs the disk operations of the object-storage datasets' caches
+//! (`remote`), with limiters of their own: one for the open, `fstat` and unlink of a cache
+//! entry ([`FS_CHECKS`] per file system), one with fewer slots for the CRC reads of entries,
+//! so a hit's open never waits behind a long read. A CRC read may run as long as it moves: it
+//! counts as hung once it read nothing for its limit ([`Limiter::on_device_moving`]), not by
+//! its length. A check refused because it could not start within its limit (its file system's
+//! slots all under way, or no blocking thread free: the source is busy, the file system need
+//! not be) is told apart from one that did not return ([`not_started`]).
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -37,7 +42,7 @@ use std::fs::File;
 use std::io;
 use std::ops::Range;
 use std::os::unix::fs::MetadataExt;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -51,7 +56,8 @@ use crate::datasets::{Backend, Datasets, Opened, ShardChanged};
 pub(crate) const STAT_LIMIT: Duration = Duration::from_secs(5);
 
 /// Checks of the files of one file system that run at once (each on a blocking thread): all
-/// that a file system whose server stopped answering can hold.
+/// that a file system whose server stopped answering can hold (per [`Limiter`]: the default
+/// number of its slots, [`Limiter::new`]).
 pub(crate) const FS_CHECKS: usize = 4;
 
 /// Where one check stands; changed only under the lock of [`Limiter::groups`].
@@ -117,7 +123,7 @@ struct Group {
     /// Checks past their limit that have not returned (each holds a blocking thread and one of
     /// [`Self::slots`]); watched by the checks waiting for a slot, refused as it goes up.
     hung: watch::Sender<usize>,
-    /// Room for the [`FS_CHECKS`] checks that may run at once (or wait for a thread).
+    /// Room for the checks that may run at once (or wait for a thread): [`Limiter::per_fs`].
     slots: Arc<Semaphore>,
 }
 
@@ -130,15 +136,76 @@ type Started<T> = (
 );
 
 /// Runs checks of files (an `fstat`, an open: whatever may block on a file system whose server
-/// stopped answering) on blocking threads, each within a time limit, at most [`FS_CHECKS`] of
-/// one file system at once, and refuses those of a file system while one of its checks is past
-/// its limit and has not returned ([`Limiter::within`]). Cloned, it shares its table.
+/// stopped answering) on blocking threads, each within a time limit, at most
+/// [`Limiter::per_fs`] of one file system at once, and refuses those of a file system while
+/// one of its checks is past its limit and has not returned ([`Limiter::within`]). Cloned, it
+/// shares its table.
 #[derive(Debug, Clone)]
 pub(crate) struct Limiter {
     /// What its checks do, for their errors (`fstat`).
     op: &'static str,
+    /// Checks of one file system that run at once ([`FS_CHECKS`] unless
+    /// [`Limiter::with_slots`] says otherwise).
+    per_fs: usize,
     /// The checks of each file system.
     groups: Arc<Mutex<HashMap<Key, Group>>>,
+}
+
+/// How far a check that reports its progress has come ([`Limiter::on_device_moving`]), and
+/// whether its caller still waits for it.
+#[derive(Debug)]
+pub(crate) struct Progress {
+    /// What [`Self::last_step`] counts from.
+    base: Instant,
+    /// Nanoseconds from `base` to its last step, plus one; 0 before its first.
+    last: AtomicU64,
+    /// Set once its caller stopped waiting for it (gave it up, or was dropped: a FETCH
+    /// cancelled).
+    stopped: AtomicBool,
+}
+
+impl Progress {
+    /// No step yet, its caller waiting.
+    fn new() -> Self {
+        Self {
+            base: Instant::now(),
+            last: AtomicU64::new(0),
+            stopped: AtomicBool::new(false),
+        }
+    }
+
+    /// Notes a step (a chunk read); false once its caller stopped waiting for it: the check
+    /// should end now (nobody reads its answer), freeing its slot and thread.
+    pub(crate) fn step(&self) -> bool {
+        let nanos = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX - 1);
+        self.last.store(nanos + 1, Ordering::Relaxed);
+        !self.stopped.load(Ordering::Relaxed)
+    }
+
+    /// When it last stepped, if it did.
+    fn last_step(&self) -> Option<Instant> {
+        match self.last.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(self.base + Duration::from_nanos(n - 1)),
+        }
+    }
+}
+
+/// Tells a check its caller stopped waiting for it ([`Progress::stopped`]) when dropped.
+struct Stop(Arc<Progress>);
+
+impl Drop for Stop {
+    fn drop(&mut self) {
+        self.0.stopped.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Whether `e`, a check's refusal, says it could not start within its limit (its file
+/// system's slots all under way, or no blocking thread free: the source is busy), rather than
+/// that it or an earlier check of its file system did not return (the file system may not
+/// answer).
+pub(crate) fn not_started(e: &ShardChanged) -> bool {
+    matches!(e, ShardChanged::Stat { source, .. } if source.kind() == io::ErrorKind::ResourceBusy)
 }
 
 impl Default for Limiter {
@@ -271,8 +338,14 @@ impl Limiter {
     /// A limiter whose checks do `op` (for their errors: `"fstat did not return within
     /// 5s"`).
     pub(crate) fn new(op: &'static str) -> Self {
+        Self::with_slots(op, FS_CHECKS)
+    }
+
+    /// A limiter whose checks do `op`, `per_fs` of one file system at once.
+    pub(crate) fn with_slots(op: &'static str, per_fs: usize) -> Self {
         Self {
             op,
+            per_fs,
             groups: Arc::default(),
         }
     }
@@ -319,21 +392,59 @@ impl Limiter {
             }
             Err(_) => task.await, // it returned just as the limit ran out: its answer is there
         };
-        let ended = |why: String| ShardChanged::Stat {
-            name: name.to_owned(),
-            source: io::Error::other(why),
+        answer(name, joined)
+    }
+
+    /// [`Self::within`] for a check that reports its progress ([`Progress::step`]: a CRC
+    /// read, a step per chunk) of file `name` of file system `dev`: it may run as long as it
+    /// moves, and counts as hung once `limit` passes without a step (from its start or its
+    /// last step: a read that did not return in that time), not by its length (a slow disk
+    /// shared by a few such reads is no dead one). It waits `limit` at most to start, as any
+    /// check. Once its caller stops waiting for it (gave it up, or was dropped), its next
+    /// step says so and it ends there.
+    pub(crate) async fn on_device_moving<T, F>(
+        &self,
+        dev: u64,
+        name: &str,
+        limit: Duration,
+        check: F,
+    ) -> Result<T, ShardChanged>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Progress) -> Result<T, ShardChanged> + Send + 'static,
+    {
+        let key = Key::Device(dev);
+        let progress = Arc::new(Progress::new());
+        let _stop = Stop(Arc::clone(&progress));
+        let p = Arc::clone(&progress);
+        let (mut task, state, began) = self
+            .start(key, name, limit, move || check(p.as_ref()))
+            .await?;
+        let mut from = began;
+        let joined = loop {
+            if let Ok(joined) = tokio::time::timeout_at(from + limit, &mut task).await {
+                break joined;
+            }
+            let moved = progress.last_step().map(tokio::time::Instant::from_std);
+            if let Some(moved) = moved.filter(|&m| m > from) {
+                from = moved; // it moved since: its limit runs from its last step
+                continue;
+            }
+            if self.give_up(key, &state) {
+                let op = self.op;
+                let why = format!(
+                    "{op} read nothing for {limit:?}: a read did not return (a network file \
+                     system whose server does not answer?)"
+                );
+                return Err(stat_error(name, why));
+            }
+            break task.await; // it returned just as the limit ran out
         };
-        match joined {
-            Ok(Some(got)) => got,
-            // Only a check its caller stopped waiting for before it started does not run, and
-            // that caller is refused in `start`: not expected here.
-            Ok(None) => Err(ended("its check did not run".to_owned())),
-            Err(e) => Err(ended(format!("the thread that checked it ended: {e}"))),
-        }
+        answer(name, joined)
     }
 
     /// Starts `check` of file `name` (of file system `key`) on a blocking thread within
-    /// `limit`: it waits for one of the file system's [`FS_CHECKS`] slots ([`Self::slot`]),
+    /// `limit`: it waits for one of the file system's [`Self::per_fs`] slots ([`Self::slot`]),
     /// then for a blocking thread, and is refused if it has not started by then. Returns its
     /// task, where it stands and when it started.
     async fn start<T, F>(
@@ -366,7 +477,7 @@ impl Limiter {
                     "its check could not start within {limit:?}: no blocking thread of the \
                      source was free (it is overloaded)"
                 );
-                return Err(stat_error(name, why));
+                return Err(busy_error(name, why));
             }
             Err(_) => began.await, // it started just as the limit ran out
         };
@@ -378,7 +489,7 @@ impl Limiter {
         Ok((task, state, at))
     }
 
-    /// One of file system `key`'s [`FS_CHECKS`] slots for the check of file `name`, waited
+    /// One of file system `key`'s [`Self::per_fs`] slots for the check of file `name`, waited
     /// for until `start_by`: refused at once while an earlier check of that file system is
     /// past its limit (`limit`) and has not returned, and as soon as one turns so while this
     /// one waits (before, it waited until `start_by`, its session's messages with it, and was
@@ -395,11 +506,12 @@ impl Limiter {
             tokio::select! {
                 got = tokio::time::timeout_at(start_by, slots.acquire_owned()) => {
                     let Ok(Ok(slot)) = got else {
+                        let (n, op) = (self.per_fs, self.op);
                         let why = format!(
-                            "its check could not start within {limit:?}: the {FS_CHECKS} checks \
-                             of {key} that may run at once were all under way"
+                            "its check could not start within {limit:?}: the {n} {op}s of {key} \
+                             that may run at once were all under way (the source is busy)"
                         );
-                        return Err(stat_error(name, why));
+                        return Err(busy_error(name, why));
                     };
                     self.slots(key, name, limit)?; // one may have hung as this one got its slot
                     return Ok(slot);
@@ -421,7 +533,7 @@ impl Limiter {
         let mut groups = lock(&self.groups);
         let g = groups.entry(key).or_insert_with(|| Group {
             hung: watch::Sender::new(0),
-            slots: Arc::new(Semaphore::new(FS_CHECKS)),
+            slots: Arc::new(Semaphore::new(self.per_fs)),
         });
         let hung = *g.hung.borrow();
         if hung > 0 {
@@ -469,7 +581,7 @@ struct Job {
     key: Key,
     /// Where it stands (`QUEUED` until it starts).
     state: Arc<AtomicU8>,
-    /// Its slot among the file system's [`FS_CHECKS`], held until it returns.
+    /// Its slot among the file system's [`Limiter::per_fs`], held until it returns.
     slot: OwnedSemaphorePermit,
     /// When it started, for its caller.
     began: oneshot::Sender<Instant>,
@@ -515,6 +627,33 @@ fn stat_error(name: &str, why: String) -> ShardChanged {
     ShardChanged::Stat {
         name: name.to_owned(),
         source: io::Error::new(io::ErrorKind::TimedOut, why),
+    }
+}
+
+/// The check of file `name` could not start in time (`why`): refused as `ReadFailed`, told
+/// apart from one that did not return ([`not_started`]).
+fn busy_error(name: &str, why: String) -> ShardChanged {
+    ShardChanged::Stat {
+        name: name.to_owned(),
+        source: io::Error::new(io::ErrorKind::ResourceBusy, why),
+    }
+}
+
+/// What the check of file `name` answered, once its thread returned (`joined`).
+fn answer<T>(
+    name: &str,
+    joined: Result<Option<Result<T, ShardChanged>>, tokio::task::JoinError>,
+) -> Result<T, ShardChanged> {
+    let ended = |why: String| ShardChanged::Stat {
+        name: name.to_owned(),
+        source: io::Error::other(why),
+    };
+    match joined {
+        Ok(Some(got)) => got,
+        // Only a check its caller stopped waiting for before it started does not run, and
+        // that caller is refused in `start`: not expected here.
+        Ok(None) => Err(ended("its check did not run".to_owned())),
+        Err(e) => Err(ended(format!("the thread that checked it ended: {e}"))),
     }
 }
 
@@ -571,7 +710,12 @@ mod tests {
 
     /// Checks of `key` past their limit that have not returned.
     fn hung(stats: &Stats, key: Key) -> usize {
-        lock(&stats.limiter.groups)
+        hung_in(&stats.limiter, key)
+    }
+
+    /// Checks of `key` in `limiter` past their limit that have not returned.
+    fn hung_in(limiter: &Limiter, key: Key) -> usize {
+        lock(&limiter.groups)
             .get(&key)
             .map_or(0, |g| *g.hung.borrow())
     }
@@ -630,6 +774,10 @@ mod tests {
             Ok(())
         });
         let again = again.await.expect_err("refused");
+        assert!(
+            !not_started(&again),
+            "refused as hung, not as busy: {again}"
+        );
         let said = again.to_string();
         assert!(
             said.contains("e.bin") && said.contains("device 0:1"),
@@ -697,12 +845,14 @@ mod tests {
             .iter()
             .map(|r| r.as_ref().expect_err("refused").to_string())
             .collect();
-        let not_started: Vec<&String> = said
+        let unstarted: Vec<&String> = said
             .iter()
             .filter(|s| s.contains("could not start"))
             .collect();
-        assert_eq!(not_started.len(), 2, "{said:?}");
-        for s in not_started {
+        assert_eq!(unstarted.len(), 2, "{said:?}");
+        let busy = got.iter().filter(|r| r.as_ref().is_err_and(not_started));
+        assert_eq!(busy.count(), 2, "told apart as busy: {said:?}");
+        for s in unstarted {
             assert!(!s.contains("network file system"), "{s}");
         }
         // Its next check is refused at once; another file system's runs.
@@ -793,11 +943,13 @@ mod tests {
                 r.store(true, Ordering::SeqCst);
                 Ok(())
             };
-            let said = stats
-                .within(key, "b.bin", limit, late)
-                .await
-                .expect_err("refused")
-                .to_string();
+            let refused = stats.within(key, "b.bin", limit, late).await;
+            let refused = refused.expect_err("refused");
+            assert!(
+                not_started(&refused),
+                "told apart from a hung one: {refused}"
+            );
+            let said = refused.to_string();
             assert!(said.contains("could not start"), "{said}");
             assert!(!said.contains("network file system"), "{said}");
             assert_eq!(hung(&stats, key), 0, "not counted as hung");
@@ -808,5 +960,78 @@ mod tests {
                 "the refused check did not run later"
             );
         });
+    }
+
+    /// A check that reports its progress runs past its limit as long as it moves, and is given
+    /// up once `limit` passes without a step, counted from its last step (then counted as
+    /// hung: the next check of its file system is refused at once); once its caller stopped
+    /// waiting, its next step says so. Before, a cache entry's CRC read was given up by a
+    /// budget of its length (1 s per 16 MiB): a slow but moving read on a busy disk counted
+    /// as hung, and every cache operation of its file system was refused.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_check_that_moves_runs_past_its_limit_and_one_that_stops_moving_is_given_up() {
+        let limiter = Limiter::with_slots("CRC read", 1);
+        let limit = Duration::from_millis(300);
+        let (dev, key) = (21, Key::Device(21));
+        // Ten steps 100 ms apart: 1 s in all, each step well within the limit.
+        let moving = |p: &Progress| -> Result<u32, ShardChanged> {
+            for _ in 0..10 {
+                std::thread::sleep(Duration::from_millis(100));
+                assert!(p.step(), "its caller still waits");
+            }
+            Ok(10)
+        };
+        let t0 = Instant::now();
+        let got = limiter.on_device_moving(dev, "a.bin", limit, moving).await;
+        assert_eq!(got.expect("it moved"), 10);
+        assert!(t0.elapsed() >= 3 * limit, "ran past its limit");
+        // Two steps 50 ms apart, then a read that does not return until released.
+        let (release, blocked) = std::sync::mpsc::channel::<()>();
+        let told = Arc::new(AtomicBool::new(false));
+        let t = Arc::clone(&told);
+        let stops = move |p: &Progress| -> Result<u32, ShardChanged> {
+            for _ in 0..2 {
+                std::thread::sleep(Duration::from_millis(50));
+                p.step();
+            }
+            let _ = blocked.recv(); // until released (or the test ends)
+            t.store(!p.step(), Ordering::SeqCst);
+            Ok(0)
+        };
+        let t0 = Instant::now();
+        let e = limiter.on_device_moving(dev, "b.bin", limit, stops).await;
+        let (e, waited) = (e.expect_err("given up"), t0.elapsed());
+        assert!(
+            waited >= limit + Duration::from_millis(100),
+            "from its last step: {waited:?}"
+        );
+        assert!(
+            !not_started(&e) && e.to_string().contains("read nothing"),
+            "{e}"
+        );
+        assert_eq!(hung_in(&limiter, key), 1);
+        let again = limiter
+            .on_device_moving(dev, "c.bin", limit, |_| Ok(1))
+            .await;
+        let again = again.expect_err("refused while it hangs").to_string();
+        assert!(again.contains("have not returned yet"), "{again}");
+        // It returns: told that nobody waits any more, and the file system is checked again.
+        release.send(()).unwrap();
+        let t0 = Instant::now();
+        while hung_in(&limiter, key) > 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "not returned in 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(
+            told.load(Ordering::SeqCst),
+            "its last step said its caller stopped waiting"
+        );
+        let got = limiter
+            .on_device_moving(dev, "c.bin", limit, |_| Ok(1))
+            .await;
+        assert_eq!(got.expect("checked again"), 1);
     }
 }

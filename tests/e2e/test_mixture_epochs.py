@@ -7,7 +7,10 @@ and with torchdata's ``StatefulDataLoader`` with 0 workers (which loads a state 
   and ``set_epoch(1)``, continues every dataset from its cursor, and so does epoch 2 of that
   run, from where epoch 1 ended;
 - ``ds.dataset = {...}`` between two epochs of a running process does the same, with no
-  checkpoint.
+  checkpoint;
+- ``ds.batch_size = 16`` between two epochs (a batch-size ramp-up) opens the next from a
+  probe: the node refuses the position where the epoch before ended for another global batch
+  (before, the first item of the next epoch raised ``state_mismatch``).
 
 No sample skipped or repeated. Before, the SDK dropped the finished state and opened the next
 epoch from a probe's state, and the node replayed the earlier epochs under the new weights:
@@ -19,6 +22,7 @@ state).
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 import pytest
@@ -139,3 +143,23 @@ def test_new_weights_between_epochs_of_a_running_process_continue_every_cursor(n
     ds.set_epoch(1)
     epoch1 = _ids(loader)
     _check_epoch_1(datasets, epoch0, epoch1, _cursors(ds))
+
+
+@pytest.mark.parametrize("how", ["dataset", "stateful"])
+def test_a_batch_size_ramp_up_between_epochs_opens_the_next_from_a_probe(node, datasets, how):  # noqa: F811
+    """Weights unchanged, so the probe's start needs no cursors kept, and nothing is warned."""
+    pytest.importorskip("torch", reason="torch is installed by scripts/test")
+    stateful = pytest.importorskip("torchdata.stateful_dataloader") if how == "stateful" else None
+    from shardwire.torch import IterableDataset
+
+    _, _, code, _ = datasets
+    ds = IterableDataset(HALF, socket=node.socket, **OPTS)
+    loader = _loader(ds, how, stateful)
+    _epoch_0(ds, loader)
+    ds.batch_size = 16
+    ds.set_epoch(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        epoch1 = _ids(loader)
+    assert len(epoch1) == (400 + 60) // 16, epoch1
+    assert all(len(b) == 16 and sum(i in code for i in b) == 8 for b in epoch1), epoch1

@@ -8,10 +8,16 @@ a test says so; the dataset's torch-free body, ``_DatasetMixin``, is what is tes
   repeats and skips samples where they changed). So is the position where an iteration of
   the process ended, for every later epoch: after a resume with new weights (at an epoch
   boundary or inside an epoch) and after ``ds.dataset = {...}`` between epochs. Only a
-  mixture of the same datasets in the same order keeps such a state. Other states are
-  replaced as before.
+  mixture of the same datasets in the same order keeps such a state, and only where the node
+  takes it for the request as it is now: the probe (opened first, as every epoch after the
+  first was before such states were kept) has the state's fingerprint, and a DataLoader
+  worker's state was saved under the weights asked for now; else the epoch opens from the
+  probe, with a warning where the weights changed (``ds.batch_size = 16`` between epochs, an
+  elastic resume on another global batch). A second full pass over an epoch starts at its
+  start again and ends where the first did. Other states are replaced as before.
 - An epoch past what a stream counts (``epoch + epochs > 2**32 - 1``) is a ValueError naming
-  it and the bound.
+  it and the bound, also where ``ds.epochs`` was raised after the epoch was set (at the open),
+  and one naming ``epochs`` where it alone is too large.
 - ``rank=`` without ``world_size=`` (or the other way round) is a ValueError naming both,
   when the dataset is made and when it is sent to a spawned worker.
 - ``set_epoch`` and ``load_state_dict``'s ``state["epoch"]`` take integers >= 0 only.
@@ -42,9 +48,23 @@ from shardwire import _client  # noqa: E402
 
 import test_sdk_options  # noqa: E402
 
+#: A kept state taken where the node refuses it, or dropped without a word where the weights
+#: changed, fails a test (those that expect the warning catch it).
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
 MIX = {"web": 0.75, "code": 0.25}
-#: A probe's state (FakeStream.state_dict): a stream that delivered nothing.
-PROBE = {"epoch": 0, "index": 0, "cursor": 0, "partitions": 1, "shuffle_block": 100, "seed": 0, "fingerprint": "m1;fp"}
+#: The weights the states below were saved under.
+HALF = {"web": 0.5, "code": 0.5}
+
+
+def fingerprint(global_batch: int = 8, seed: int = 0) -> str:
+    """A mixture's fingerprint, as the node writes it (its first fields)."""
+    return f"v2;mix=web+code;global_batch={global_batch};seed={seed}"
+
+
+#: A probe's state (FakeStream.state_dict): a stream of global batch 8, seed 0 that delivered
+#: nothing.
+PROBE = {"epoch": 0, "index": 0, "cursor": 0, "partitions": 1, "shuffle_block": 100, "seed": 0, "fingerprint": fingerprint()}
 
 
 def mix_state(epoch: int, index: int, step: int, cursors: list[int]) -> dict[str, Any]:
@@ -66,10 +86,16 @@ END_OF_2 = mix_state(3, 0, 750, [4000, 2000])
 
 
 class FakeStream(test_sdk_options.FakeStream):
-    """A stream with no batches, a fingerprint (a probe's) and a mixture's probe state."""
+    """A stream with no batches, a fingerprint (a probe's) and a mixture's probe state, of
+    the request `req` (its global batch and seed)."""
+
+    def __init__(self, req: dict[str, Any] | None = None) -> None:
+        req = req or {}
+        gb, seed = req.get("batch_size", 8) * req.get("world_size", 1), req.get("seed", 0)
+        self.probe = {**PROBE, "seed": seed, "fingerprint": fingerprint(gb, seed)}
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(PROBE)
+        return dict(self.probe)
 
 
 class Batches(FakeStream):
@@ -92,8 +118,9 @@ class Batches(FakeStream):
 
 @pytest.fixture
 def answers() -> list[FakeStream]:
-    """The streams the dataset's next opens (not its probes) are answered with, in turn;
-    then FakeStreams, with no batches."""
+    """The streams the dataset's next opens (not its probes) are answered with, in turn (a
+    callable: each of them, by the request, from there on); then FakeStreams, with no
+    batches."""
     return []
 
 
@@ -106,7 +133,9 @@ def sent(monkeypatch: pytest.MonkeyPatch, answers: list[FakeStream]) -> list[dic
 
     def sock_open(cls: Any, path: str, req: dict[str, Any], auto_device: bool = False) -> FakeStream:
         reqs.append(req)
-        return answers.pop(0) if answers and "worker" in req else FakeStream()
+        if not answers or "worker" not in req:
+            return FakeStream(req)
+        return answers[0](req) if callable(answers[0]) else answers.pop(0)
 
     monkeypatch.setattr(_client.Stream, "_open", classmethod(sock_open))
     monkeypatch.setattr(swt, "connect", lambda socket: shardwire.Client("/nonexistent/trainer.sock"))
@@ -114,13 +143,14 @@ def sent(monkeypatch: pytest.MonkeyPatch, answers: list[FakeStream]) -> list[dic
     return reqs
 
 
-def mixture(**kw: Any) -> Any:
-    return swt._DatasetMixin(MIX, socket="/nonexistent", batch_size=8, rank=0, world_size=1, **kw)
+def mixture(weights: dict[str, float] = MIX, **kw: Any) -> Any:
+    kw = {"batch_size": 8, "rank": 0, "world_size": 1, **kw}
+    return swt._DatasetMixin(dict(weights), socket="/nonexistent", **kw)
 
 
-def opened(sent: list[dict[str, Any]]) -> list[tuple[int, Any]]:
-    """(epochs, state) of each attach request."""
-    return [(r["epochs"], r["state"]) for r in sent]
+def opened(sent: list[dict[str, Any]]) -> list[Any]:
+    """(epochs, state) of each attach request; "probe" for a probe's (no ``worker``)."""
+    return [(r["epochs"], r["state"]) if "worker" in r else "probe" for r in sent]
 
 
 # --- a mixture's state at the next epoch's start -------------------------------------------
@@ -133,7 +163,8 @@ def test_a_mixture_state_at_the_next_epoch_s_start_is_resumed_from_not_probed(se
     and a probe's ``{epoch: 1, index: 0}`` without them opened the stream: the node replayed
     epoch 0 under .75 / .25 (cursors 1500 / 500), so web's [1000, 1500) never came and code's
     [500, 1000) came twice. Every later epoch starts where the one before ended (before,
-    epoch 2 on opened from a probe again: the same replay, one epoch later)."""
+    epoch 2 on opened from a probe again: the same replay, one epoch later). A probe opens
+    first each time: its fingerprint is the state's, so the state is taken."""
     ds = mixture()
     saved = {"epoch": 0, "stream": END_OF_0}
     if set_epoch_first:  # StatefulDataLoader's order: it loads the state at iter(loader)
@@ -144,8 +175,8 @@ def test_a_mixture_state_at_the_next_epoch_s_start_is_resumed_from_not_probed(se
         ds.set_epoch(1)
     assert ds.state_dict() == {"epoch": 1, "stream": END_OF_0}  # a checkpoint now keeps it too
     assert list(ds) == []
-    assert opened(sent) == [(2, END_OF_0)]  # no probe (epochs 1, state None) before it
-    assert sent[0]["mix"] == [{"dataset": "web", "weight": 0.75}, {"dataset": "code", "weight": 0.25}]
+    assert opened(sent) == ["probe", (2, END_OF_0)]  # not the probe's {epoch: 1, index: 0}
+    assert sent[1]["mix"] == [{"dataset": "web", "weight": 0.75}, {"dataset": "code", "weight": 0.25}]
     sent.clear()
     answers.append(Batches(MID_1, END_OF_1))
     ds.set_epoch(1)  # epoch 1 again (the first iteration delivered nothing here)
@@ -156,22 +187,22 @@ def test_a_mixture_state_at_the_next_epoch_s_start_is_resumed_from_not_probed(se
     assert len(list(ds)) == 1
     ds.set_epoch(3)
     assert list(ds) == []
-    assert opened(sent) == [(2, END_OF_0), (3, END_OF_1), (4, END_OF_2)]  # no probe
+    assert opened(sent) == ["probe", (2, END_OF_0), "probe", (3, END_OF_1), "probe", (4, END_OF_2)]
 
 
 def test_weights_changed_between_epochs_of_a_running_process_continue_every_cursor(sent, answers):
     """``ds.dataset = {...}`` between epochs, no checkpoint: epoch 1 opens at the position
     where epoch 0 ended, under the new weights. Before, a probe opened it and the node
     replayed epoch 0 under the new weights."""
-    ds = swt._DatasetMixin({"web": 0.5, "code": 0.5}, socket="/nonexistent", batch_size=8, rank=0, world_size=1)
+    ds = mixture(HALF)
     answers.append(Batches(mix_state(0, 125, 125, [500, 500]), END_OF_0))
     ds.set_epoch(0)
     assert len(list(ds)) == 2
     ds.dataset = dict(MIX)
     ds.set_epoch(1)
     assert list(ds) == []
-    assert opened(sent) == [(1, None), (2, END_OF_0)]
-    assert sent[1]["mix"] == [{"dataset": "web", "weight": 0.75}, {"dataset": "code", "weight": 0.25}]
+    assert opened(sent) == [(1, None), "probe", (2, END_OF_0)]
+    assert sent[2]["mix"] == [{"dataset": "web", "weight": 0.75}, {"dataset": "code", "weight": 0.25}]
 
 
 def test_a_resume_inside_an_epoch_with_new_weights_continues_every_cursor_in_later_epochs(sent, answers):
@@ -186,13 +217,14 @@ def test_a_resume_inside_an_epoch_with_new_weights_continues_every_cursor_in_lat
     assert len(list(ds)) == 1
     ds.set_epoch(1)
     assert list(ds) == []
-    assert opened(sent) == [(1, inside), (2, end)]
+    assert opened(sent) == [(1, inside), "probe", (2, end)]
 
 
-def test_an_epoch_left_early_starts_over_from_its_start_and_one_run_to_its_end_from_a_probe(sent, answers):
+def test_an_epoch_left_early_or_run_to_its_end_starts_over_from_its_start(sent, answers):
     """A ``break`` in epoch 1 (resumed at END_OF_0): iterating epoch 1 again starts it over
-    at END_OF_0's cursors (before, from a probe). Once it ran to its end, the same epoch
-    again opens from a probe, as before: its end position would resume it to nothing."""
+    at END_OF_0's cursors (before, from a probe). So does iterating it again once it ran to
+    its end (not at its end position, which would resume it to nothing; before, from a
+    probe: see the next test)."""
     ds = mixture()
     ds.set_epoch(1)
     ds.load_state_dict({"epoch": 0, "stream": END_OF_0})
@@ -201,10 +233,43 @@ def test_an_epoch_left_early_starts_over_from_its_start_and_one_run_to_its_end_f
     next(it)
     it.close()  # a `break` after one batch
     assert len(list(ds)) == 2
-    assert opened(sent) == [(2, END_OF_0), (2, END_OF_0)]
+    assert opened(sent) == ["probe", (2, END_OF_0), "probe", (2, END_OF_0)]
     sent.clear()
     assert list(ds) == []
-    assert opened(sent) == [(1, None), (2, {**PROBE, "epoch": 1})]
+    assert opened(sent) == ["probe", (2, END_OF_0)]
+
+
+@pytest.mark.parametrize("again", ["iter", "set_epoch"])
+def test_a_second_full_pass_over_an_epoch_leaves_where_later_epochs_start(sent, answers, again):
+    """r_final20's numbers: epoch 1, resumed at END_OF_0 under .75 / .25, ends at (2500,
+    1500); iterated again (after ``set_epoch(1)`` or not), it starts at END_OF_0 again and so
+    ends there again, and epoch 2 starts at (2500, 1500). Before, the second pass opened from
+    a probe, the node replaying 500 steps under .75 / .25 to (3000, 1000), and that end
+    replaced the first pass's: epoch 2 then delivered code's [1000, 1500) again and never
+    web's [2500, 3000)."""
+    replay_end = mix_state(2, 0, 500, [3000, 1000])
+
+    def stream(req: dict[str, Any]) -> FakeStream:
+        """Epoch 1 at END_OF_0 ends at END_OF_1; from a probe's start, at the replay's end."""
+        if req["state"] == END_OF_0:
+            return Batches(MID_1, END_OF_1)
+        if req["state"]["epoch"] == 1:
+            return Batches(mix_state(1, 125, 375, [1875, 1125]), replay_end)
+        return Batches()
+
+    ds = mixture()
+    ds.set_epoch(1)
+    ds.load_state_dict({"epoch": 0, "stream": END_OF_0})
+    answers.append(stream)
+    assert len(list(ds)) == 2
+    if again == "set_epoch":
+        ds.set_epoch(1)
+        assert ds.state_dict() == {"epoch": 1, "stream": END_OF_0}
+    assert len(list(ds)) == 2
+    ds.set_epoch(2)
+    assert ds.state_dict() == {"epoch": 2, "stream": END_OF_1}
+    assert list(ds) == []
+    assert opened(sent) == ["probe", (2, END_OF_0), "probe", (2, END_OF_0), "probe", (3, END_OF_1)]
 
 
 def test_a_persistent_worker_starts_the_next_epoch_where_its_iteration_ended(sent, answers, monkeypatch: pytest.MonkeyPatch):
@@ -214,16 +279,16 @@ def test_a_persistent_worker_starts_the_next_epoch_where_its_iteration_ended(sen
     another process (the main one's, copied into a worker) is not used."""
     monkeypatch.setattr(swt, "_worker", lambda: (1, 2))
     mine = mix_state(1, 1, 251, [1003, 1005])
-    ds = mixture()
+    ds = mixture(HALF)  # a worker's state takes no new weights
     answers.append(Batches(mix_state(0, 249, 249, [999, 997]), mine))
     assert len(list(ds)) == 2
     ds._epoch.value = 1  # the main process's set_epoch, seen through the shared epoch
     it = iter(ds)
     assert ds.state_dict() == {"epoch": 1, "stream": mine}
     assert list(it) == []
-    assert opened(sent) == [(1, None), (2, mine)]
+    assert opened(sent) == [(1, None), "probe", (2, mine)]
 
-    main = mixture()
+    main = mixture(HALF)
     monkeypatch.setattr(swt, "_worker", lambda: (0, 1))
     answers.append(Batches(END_OF_0))
     assert len(list(main)) == 1
@@ -248,7 +313,7 @@ def test_a_mixture_state_is_kept_only_for_the_same_datasets_in_the_same_order(se
     ds.load_state_dict({"epoch": 0, "stream": END_OF_0})
     assert ds.state_dict() == {"epoch": 1, "stream": None}
     assert list(ds) == []
-    assert opened(sent) == [(1, None), (2, {**PROBE, "epoch": 1})]
+    assert opened(sent) == ["probe", (2, {**PROBE, "epoch": 1})]
 
     sent.clear()
     ds = mixture()
@@ -257,7 +322,71 @@ def test_a_mixture_state_is_kept_only_for_the_same_datasets_in_the_same_order(se
     ds.dataset = now
     ds.set_epoch(1)
     assert list(ds) == []
-    assert opened(sent) == [(1, None), (1, None), (2, {**PROBE, "epoch": 1})]
+    assert opened(sent) == [(1, None), "probe", (2, {**PROBE, "epoch": 1})]
+
+
+@pytest.mark.parametrize("change, value, field", [("batch_size", 16, "global_batch=16"), ("seed", 7, "seed=7")])
+def test_a_change_between_epochs_that_the_state_pins_opens_the_next_from_a_probe(sent, answers, change, value, field):
+    """The report's trigger, weights unchanged: ``ds.batch_size = 16`` (a batch-size ramp-up)
+    or ``ds.seed = 7`` between two epochs of a running process. The probe's fingerprint is not
+    the state's, so the epoch opens from the probe, as before the state was kept (with it, the
+    first item raised ``state_mismatch`` on ``global_batch`` / ``seed``); no warning: the
+    weights are those the state was saved under, so the probe's start has the same cursors."""
+    ds = mixture(HALF)
+    answers.append(Batches(END_OF_0))
+    assert len(list(ds)) == 1
+    setattr(ds, change, value)
+    ds.set_epoch(1)
+    assert ds.state_dict() == {"epoch": 1, "stream": END_OF_0}  # kept until the open checks it
+    assert list(ds) == []
+    assert opened(sent)[1:] == ["probe", (2, {**FakeStream(sent[1]).probe, "epoch": 1})]
+    assert field in sent[2]["state"]["fingerprint"]
+
+
+def test_a_resume_with_the_same_fingerprint_keeps_the_state_on_another_world_size(sent):
+    """What the node compares is the fingerprint, which holds the global batch, not the world
+    size: 2 ranks of 4 take the state of 1 rank of 8, under new weights (no warning)."""
+    ds = mixture(batch_size=4, rank=1, world_size=2)
+    ds.set_epoch(1)
+    ds.load_state_dict({"epoch": 0, "stream": END_OF_0})
+    assert list(ds) == []
+    assert opened(sent) == ["probe", (2, END_OF_0)]
+    assert (sent[1]["rank"], sent[1]["world_size"], sent[1]["batch_size"]) == (1, 2, 4)
+
+
+def test_an_elastic_resume_on_another_global_batch_opens_from_a_probe_with_a_warning(sent):
+    """Saved after epoch 0 by 1 rank of 8 (global batch 8), resumed on 2 ranks of 8 with new
+    weights: the node refuses the state (``global_batch``: saved 8, the request has 16; before,
+    the first item raised that), so epoch 1 opens from the probe, and a warning says the
+    probe's start holds no cursors under the changed weights."""
+    ds = mixture(rank=0, world_size=2)
+    ds.set_epoch(1)
+    ds.load_state_dict({"epoch": 0, "stream": END_OF_0})
+    said = r"epoch 1 of the mixture \['web', 'code'\] opens from a probe, .*: its fingerprint differs in `global_batch`: saved 8, the request has 16\. .*samples may repeat or be skipped$"
+    with pytest.warns(RuntimeWarning, match=said):
+        assert list(ds) == []
+    assert opened(sent) == ["probe", (2, {**PROBE, "epoch": 1, "fingerprint": fingerprint(16)})]
+
+
+def test_fixed_weights_are_the_node_s():
+    """protocol/src/samples/mix.rs `fixed_weights`: normalised to 2**40, the rounding error to
+    the first largest weight."""
+    one = 1 << 40
+    assert swt._fixed_weights([0.5, 0.5]) == [1 << 39, 1 << 39]  # mix_state's
+    assert swt._fixed_weights([0.75, 0.25]) == [3 << 38, 1 << 38]
+    assert swt._fixed_weights([3, 1]) == [3 << 38, 1 << 38]
+    assert swt._fixed_weights([1.0, 1.0, 1.0]) == [one // 3 + 1, one // 3, one // 3]
+    assert swt._fixed_weights([1.0, 1e-30]) == [one - 1, 1]
+
+
+def test_a_legacy_state_without_block_keys_is_compared_as_the_node_resumes_it():
+    """A state saved before the fingerprint named ``NAME.block_keys=global`` resumes with the
+    legacy keys, whose fingerprint does not name them (the node's ``BlockKeys::of_state``): the
+    probe's field is left out for that dataset only."""
+    probe = "v2;mix=a+b;global_batch=8;seed=0;a.shuffle=block;a.block_keys=global;b.shuffle=block;b.block_keys=global"
+    legacy_a = "v2;mix=a+b;global_batch=8;seed=0;a.shuffle=block;b.shuffle=block;b.block_keys=global"
+    assert swt._resumed_fingerprint(probe, legacy_a, ["a", "b"]) == legacy_a
+    assert swt._resumed_fingerprint(probe, probe, ["a", "b"]) == probe
 
 
 def test_a_worker_s_mixture_state_at_the_epoch_s_start_is_kept(sent, monkeypatch: pytest.MonkeyPatch):
@@ -265,12 +394,25 @@ def test_a_worker_s_mixture_state_at_the_epoch_s_start_is_kept(sent, monkeypatch
     worker count): worker 1 of 2 keeps its state at ``{epoch: 1, index: 1}``."""
     monkeypatch.setattr(swt, "_worker", lambda: (1, 2))
     mine = mix_state(1, 1, 251, [1003, 1005])
-    ds = mixture()
+    ds = mixture(HALF)
     ds.set_epoch(1)
     ds.load_state_dict({"epoch": 0, "stream": mine})
     assert list(ds) == []
-    assert opened(sent) == [(2, mine)]
-    assert (sent[0]["worker"], sent[0]["num_workers"]) == (1, 2)
+    assert opened(sent) == ["probe", (2, mine)]
+    assert (sent[1]["worker"], sent[1]["num_workers"]) == (1, 2)
+
+
+def test_a_worker_s_mixture_state_under_other_weights_opens_from_a_probe_with_a_warning(sent, monkeypatch: pytest.MonkeyPatch):
+    """The node refuses new weights for a DataLoader worker's state (each worker is at
+    another step): the epoch opens from the probe, and a warning says samples may repeat or
+    be skipped (before, the first item raised ``state_mismatch``)."""
+    monkeypatch.setattr(swt, "_worker", lambda: (1, 2))
+    ds = mixture()
+    ds.set_epoch(1)
+    ds.load_state_dict({"epoch": 0, "stream": mix_state(1, 1, 251, [1003, 1005])})
+    with pytest.warns(RuntimeWarning, match=r"a DataLoader worker's state takes no new weights .*samples may repeat or be skipped$"):
+        assert list(ds) == []
+    assert opened(sent) == ["probe", (2, {**PROBE, "epoch": 1})]
 
 
 def test_a_resume_point_moved_to_the_epoch_it_starts_is_kept_by_the_next_iteration(sent):
@@ -298,7 +440,7 @@ def test_other_states_still_give_way_to_the_epoch_set_epoch_names(sent, dataset,
     ds.set_epoch(epoch)
     assert ds.state_dict() == {"epoch": epoch, "stream": None}
     assert list(ds) == []
-    assert opened(sent) == [(1, None), (epoch + 1, {**PROBE, "epoch": epoch})]  # the probe, then the epoch
+    assert opened(sent) == ["probe", (epoch + 1, {**PROBE, "epoch": epoch})]  # the probe, then the epoch
 
 
 # --- rank and world size come in pairs -----------------------------------------------------
@@ -365,6 +507,35 @@ def test_an_epoch_past_what_a_stream_counts_is_refused_naming_it_and_the_bound(e
     assert ds.epoch == last
     with pytest.raises(ValueError, match=f"^start_epoch {last + 1} with epochs={epochs} ends past"):
         swt.open_at_epoch(shardwire.Client("/nonexistent/trainer.sock"), "d", start_epoch=last + 1, epochs=epochs)
+
+
+@pytest.mark.parametrize("mode", ["batch", "shard", "shard-state"])
+def test_epochs_raised_after_the_epoch_was_set_is_refused_at_the_open_naming_the_epoch(sent, mode):
+    """``ds.epochs = 4`` after ``set_epoch(2**32 - 2)``: the open checks the bound again and
+    names the dataset's epoch (before, batch mode's open raised about the sum, "epochs must be
+    below 2**32 ..., not 4294967298", as did a shard-mode state, which nothing checked)."""
+    kw = {"batch_size": 8} if mode == "batch" else {}
+    ds = swt._DatasetMixin("d", socket="/nonexistent", rank=0, world_size=1, **kw)
+    epoch = 2**32 - 2
+    ds.set_epoch(epoch)
+    if mode == "shard-state":
+        ds.load_state_dict({"epoch": epoch, "stream": {"epoch": epoch, "index": 3, "seed": 0, "fingerprint": "v1;fp"}})
+    ds.epochs = 4
+    said = rf"^the dataset's epoch {epoch} with epochs=4 ends past the last epoch a stream counts: .*so the epoch at most {2**32 - 5}$"
+    with pytest.raises(ValueError, match=said):
+        next(iter(ds))
+    assert sent == []  # nothing opened, not even a probe
+
+
+def test_epochs_alone_past_what_a_stream_counts_is_refused_naming_epochs():
+    """Before, "... so the epoch at most -4294967297"."""
+    ds = swt._DatasetMixin("d", socket="/s", batch_size=8)
+    ds.epochs = 2**33
+    said = r"^epochs=8589934592 is more epochs than a stream counts \(set_epoch's epoch is 3\): epoch \+ epochs must be at most 2\*\*32 - 1 \(4294967295, .*so epochs at most 4294967292$"
+    with pytest.raises(ValueError, match=said):
+        ds.set_epoch(3)
+    with pytest.raises(ValueError, match=said.replace("set_epoch's epoch is 3", "start_epoch is 3")):
+        swt.open_at_epoch(shardwire.Client("/nonexistent/trainer.sock"), "d", start_epoch=3, epochs=2**33)
 
 
 def test_numpy_integer_epochs_are_taken():

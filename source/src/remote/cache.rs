@@ -356,9 +356,12 @@ fn delete_stale(dir: &Path, file: PathBuf) -> Result<(), CacheError> {
     }
 }
 
-/// Deletes the cache file `p` (outside the cache's lock); a file already gone is no error,
-/// any other failure is logged (the next start deletes what the index does not name).
+/// Deletes the cache file `p` (outside the cache's lock; a test can hold it back, `stall`); a
+/// file already gone is no error, any other failure is logged (the next start deletes what the
+/// index does not name).
 pub fn delete(p: &Path) {
+    #[cfg(test)]
+    stall::pass(stall::Op::Unlink, p);
     match std::fs::remove_file(p) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -704,6 +707,13 @@ impl DiskCache {
     /// Accesses after which an entry no hint names and not served is cold.
     fn cold_after(&self) -> u64 {
         self.cold_epochs.saturating_mul(self.asked.distinct.max(1))
+    }
+
+    /// Whether an old file of `shard` is still being deleted: it is not reserved until it is
+    /// ([`Self::deleted`]).
+    #[cfg(test)]
+    pub fn going(&self, shard: u32) -> bool {
+        self.going.contains(&shard)
     }
 
     /// Whether `shard` is cached or being written.

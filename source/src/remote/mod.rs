@@ -48,6 +48,22 @@ use crate::sender::Body;
 /// their turn, their bytes counted in [`RemoteDataset::write_budget`].
 const CACHE_WRITERS: usize = 2;
 
+/// What a FETCH found in its dataset's cache ([`RemoteDataset::cached`], in `disk.rs`; here so
+/// that this module names nothing of that one, which builds on it).
+pub(super) enum Cached {
+    /// The entry's file, checked: serve it.
+    Hit(Body),
+    /// Nothing to serve: no entry, or one whose file is gone, cannot be opened, is cut short
+    /// or failed its CRC check (those last two deleted).
+    Miss,
+    /// An operation on the entry's file (its open, its CRC read, or the unlink of one that
+    /// failed) did not return in time, or could not start: an entry not opened or not
+    /// checked stays, and this FETCH reads the shard from the store without looking in the
+    /// cache again (before, it looked it up, opened and checked it once more, waiting out a
+    /// second limit, and that was counted and logged again): one count per FETCH at most.
+    GaveUp,
+}
+
 /// The outcome of one load, for whoever waits on it.
 type Outcome = Option<Result<(), Failure>>;
 
@@ -316,7 +332,7 @@ impl RemoteDataset {
     ) -> Result<(Body, Served), Failure> {
         let shard = wanted.shard;
         wanted.leave_queue(); // where its session did not already
-        let mut waited = false;
+        let (mut waited, mut gave_up) = (false, false);
         loop {
             if let Some((parts, writing)) = self.take_ready(wanted) {
                 let how = match (waited, writing) {
@@ -326,9 +342,19 @@ impl RemoteDataset {
                 };
                 return Ok((Body::Memory(parts), how));
             }
-            if let Some(body) = self.cached(shard).await {
-                let how = if waited { Served::Read } else { Served::Cached };
-                return Ok((body, how));
+            // Once an operation on its entry's file was given up (the cache disk did not
+            // answer in time, or the source is busy), this FETCH does not look in the cache
+            // again: it reads the store (before, it looked the entry up, opened and checked it
+            // once more, waiting out a second limit, counted and logged again).
+            if !gave_up {
+                match self.cached(shard).await {
+                    Cached::Hit(body) => {
+                        let how = if waited { Served::Read } else { Served::Cached };
+                        return Ok((body, how));
+                    }
+                    Cached::GaveUp => gave_up = true,
+                    Cached::Miss => {}
+                }
             }
             if waited {
                 // Read, then taken by another FETCH of the same shard, or not admitted and
@@ -337,7 +363,7 @@ impl RemoteDataset {
             }
             // A cache entry committed since `cached` looked is taken on the next turn (once:
             // an entry that cannot be opened is read from the store instead).
-            let look_in_cache = !waited;
+            let look_in_cache = !waited && !gave_up;
             waited = true;
             match self.claim(shard, look_in_cache) {
                 Claim::Wait(rx) => wait(rx).await?,

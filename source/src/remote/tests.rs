@@ -354,7 +354,7 @@ async fn fetches_of_a_shard_the_cache_admits_are_answered_from_memory_while_it_i
     assert_eq!(d.state().writing_bytes, 0, "the bytes left memory");
     let used = d.cache.as_ref().unwrap().lock().unwrap().used();
     assert_eq!(used, SHARD);
-    assert!(matches!(d.cached(1).await, Some(Body::File { .. })));
+    assert!(matches!(d.cached(1).await, Cached::Hit(Body::File { .. })));
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -446,7 +446,10 @@ async fn an_entry_whose_bytes_a_node_reported_while_it_was_written_is_checked_be
         .expect("written");
     assert!(!hit.verified, "checked against its CRC before it is served");
     drop(hit);
-    assert!(d.cached(1).await.is_some(), "its bytes are good: served");
+    assert!(
+        matches!(d.cached(1).await, Cached::Hit(_)),
+        "its bytes are good: served"
+    );
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -534,8 +537,9 @@ async fn a_fetch_of_a_cached_shard_whose_open_stalls_reads_the_store_and_holds_u
         .expect("served");
     assert!(matches!(body, Body::File { .. }) && how == Served::Cached);
     assert_eq!(bytes_of(&body), d_bytes(0));
-    // The stalled FETCH: from the store, past the open's limit (and the open after it, while
-    // that one hangs, refused at once), the disk still stalled.
+    // The stalled FETCH: from the store, past the open's limit, the disk still stalled; its
+    // open given up once, and the entry not looked at again. Before, it looked the entry up
+    // and opened it a second time (refused at once while the first hangs: given up twice).
     let (body, how) = within("the stalled FETCH", stalled)
         .await
         .unwrap()
@@ -544,6 +548,7 @@ async fn a_fetch_of_a_cached_shard_whose_open_stalls_reads_the_store_and_holds_u
     assert_eq!(bytes_of(&body), d_bytes(0));
     assert_eq!(os.asked.load(Ordering::SeqCst), 1, "GETs");
     assert_eq!(waiting(), 1, "the open still stalled");
+    assert_eq!(d.disk.given_up(), 1, "operations given up by the FETCH");
     // The disk answers again: once the open returns, the cache serves again.
     drop(held.lock().unwrap().take());
     let t0 = Instant::now();
@@ -560,6 +565,198 @@ async fn a_fetch_of_a_cached_shard_whose_open_stalls_reads_the_store_and_holds_u
     drop((d, other));
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&other_dir);
+}
+
+/// A dataset `test` over `os` with a cache in `dir` whose disk operations have `limit`, holding
+/// shards `shards`; those of `unchecked` are to be checked against their CRC before they are
+/// served (as entries kept over a restart).
+async fn with_entries(
+    test: &str,
+    os: &Arc<Gated>,
+    dir: &std::path::Path,
+    limit: Duration,
+    shards: &[u32],
+    unchecked: &[u32],
+) -> Arc<RemoteDataset> {
+    let mut d = dataset(test, os, Some(dir)).await;
+    Arc::get_mut(&mut d).expect("only reference").disk = disk::CacheDisk::own(limit);
+    for &s in shards {
+        placed(&d, s, vec![Bytes::from(d_bytes(u64::from(s)))]).await;
+    }
+    let mut c = d.cache.as_ref().expect("a cache").lock().unwrap();
+    for &s in unchecked {
+        c.recheck(s);
+    }
+    drop(c);
+    d
+}
+
+/// The CRC reads of entries not checked yet take slots of their own: while they hang, a
+/// FETCH of a checked entry opens it at once and is served from the cache. Before, they took
+/// the opens' slots ([`crate::stat::FS_CHECKS`] per file system over every dataset): after a
+/// restart, a hit's open waited behind the first serves' CRC reads, was given up as one that
+/// could not start, and its FETCH read the store.
+#[tokio::test(flavor = "current_thread")]
+async fn crc_reads_that_hang_take_none_of_the_slots_of_a_hits_open() {
+    let dir = cache_dir("crc-slots");
+    let os = Arc::new(Gated::new());
+    os.open();
+    let limit = Duration::from_millis(500);
+    let d = with_entries("crc-slots", &os, &dir, limit, &[0, 1], &[0]).await;
+    let read = cache::stall::hold_op(&dir, cache::stall::Op::Read);
+    let held = released_after(read, Duration::from_secs(10));
+    let waiting = || held.lock().unwrap().as_ref().map_or(0, |h| h.waiting());
+    // As many FETCHes of the unchecked entry as there are slots for opens: each reads it.
+    let checks: Vec<Fetch> = (1..=crate::stat::FS_CHECKS as u64)
+        .map(|session| fetch(&d, session, 0))
+        .collect();
+    until("the CRC reads hanging", || waiting() == disk::CRC_READS).await;
+    let checked = within("a FETCH of a checked entry", fetch(&d, 9, 1)).await;
+    let (body, how) = checked.unwrap().expect("served");
+    assert!(
+        matches!(body, Body::File { .. }) && how == Served::Cached,
+        "{how:?}"
+    );
+    assert_eq!(bytes_of(&body), d_bytes(1));
+    // Those of the unchecked one: from the store, their reads given up (nothing read within
+    // the limit) or refused (while those hang), one count each; the entry stays unchecked.
+    for f in checks {
+        let (body, how) = within("a FETCH whose CRC read hangs", f)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            matches!(body, Body::Memory(_)) && how == Served::Read,
+            "{how:?}"
+        );
+        assert_eq!(bytes_of(&body), d_bytes(0));
+    }
+    assert_eq!(waiting(), disk::CRC_READS, "CRC reads started");
+    assert_eq!(d.disk.given_up(), crate::stat::FS_CHECKS);
+    let c = d.cache.as_ref().unwrap().lock().unwrap().lookup(0);
+    assert!(!c.expect("kept").verified, "still to be checked");
+    // The disk answers: once the reads return, the entry is checked and served.
+    drop(held.lock().unwrap().take());
+    let t0 = Instant::now();
+    loop {
+        let again = within("after the disk answers", fetch(&d, 10, 0)).await;
+        let (body, how) = again.unwrap().expect("served");
+        assert_eq!(bytes_of(&body), d_bytes(0));
+        if how == Served::Cached {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "not from the cache");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A CRC read on a slow disk runs as long as it moves: its FETCH is served from the cache
+/// however long the whole read takes; one that reads nothing for the limit is given up, once,
+/// and its FETCH reads the store without looking at the entry again. Before, a read had 1 s
+/// per 16 MiB of the entry beyond the limit, in all (here 1.5 s, for a read of 1.7 s: given
+/// up, and its FETCH read the store); and a FETCH whose read was given up looked the entry up,
+/// opened it and read it again (refused at once while the first hangs: given up twice).
+#[tokio::test(flavor = "current_thread")]
+async fn a_crc_read_is_given_up_when_it_stops_moving_not_when_it_is_slow() {
+    let dir = cache_dir("crc-moving");
+    let os = Arc::new(Gated::new());
+    os.open();
+    let limit = Duration::from_millis(500);
+    let d = with_entries("crc-moving", &os, &dir, limit, &[0, 1], &[0, 1]).await;
+    // 17 reads of 1 MiB (the last finds the end), each 100 ms late: 1.7 s in all.
+    let slow = cache::stall::pace(&dir, cache::stall::Op::Read, Duration::from_millis(100));
+    let t0 = Instant::now();
+    let got = within("a FETCH whose CRC read is slow", fetch(&d, 1, 0)).await;
+    let (body, how) = got.unwrap().expect("served");
+    assert!(t0.elapsed() > 3 * limit, "the read took {:?}", t0.elapsed());
+    assert!(
+        matches!(body, Body::File { .. }) && how == Served::Cached,
+        "{how:?}"
+    );
+    assert_eq!(bytes_of(&body), d_bytes(0));
+    assert!(
+        slow.waiting() >= 17,
+        "reads of the CRC check: {}",
+        slow.waiting()
+    );
+    assert_eq!(d.disk.given_up(), 0);
+    drop(slow);
+    // A CRC read that reads nothing: given up after the limit, once.
+    let read = cache::stall::hold_op(&dir, cache::stall::Op::Read);
+    let held = released_after(read, Duration::from_secs(10));
+    let t0 = Instant::now();
+    let got = within("a FETCH whose CRC read hangs", fetch(&d, 1, 1)).await;
+    let (body, how) = got.unwrap().expect("served");
+    assert!(t0.elapsed() >= limit, "given up after {:?}", t0.elapsed());
+    assert!(
+        matches!(body, Body::Memory(_)) && how == Served::Read,
+        "{how:?}"
+    );
+    assert_eq!(bytes_of(&body), d_bytes(1));
+    assert_eq!(d.disk.given_up(), 1, "the entry not looked at again");
+    assert_eq!(os.asked.load(Ordering::SeqCst), 1, "GETs");
+    drop(held.lock().unwrap().take());
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The unlink of a failed entry's file that is given up (it did not return in time) lets the
+/// shard be cached again once it returns; one refused before it starts (while that one
+/// hangs) lets it be cached again at once, its file left in place for the shard's next entry
+/// to replace. Either way the cache is told ([`cache::DiskCache::deleted`]): else the shard
+/// would pass through uncached for good.
+#[tokio::test(flavor = "current_thread")]
+async fn an_unlink_given_up_or_refused_lets_the_shard_be_cached_again() {
+    let dir = cache_dir("unlink-given-up");
+    let os = Arc::new(Gated::new());
+    let limit = Duration::from_millis(300);
+    let d = with_entries("unlink-given-up", &os, &dir, limit, &[1, 2], &[]).await;
+    let c = d.cache.as_ref().expect("a cache");
+    // An entry taken out (as one found cut short): its file system and file to delete.
+    let take_out = |s: u32| {
+        let mut c = c.lock().unwrap();
+        let found = c.lookup(s).expect("cached");
+        let doomed = c.remove_cut_short(s, found.id).expect("its entry");
+        (found.dev, doomed)
+    };
+    let going = |s: u32| c.lock().unwrap().going(s);
+    let unlink = cache::stall::hold_op(&dir, cache::stall::Op::Unlink);
+    let held = released_after(unlink, Duration::from_secs(10));
+    let (dev, one) = take_out(1);
+    let unlinked = d.discard(1, dev, Some(one.clone())).await;
+    assert!(unlinked.is_err(), "given up past its limit");
+    assert_eq!(d.disk.given_up(), 1);
+    assert!(
+        going(1) && one.exists(),
+        "its unlink may still run: not cached again yet"
+    );
+    let (dev, two) = take_out(2);
+    let t0 = Instant::now();
+    let unlinked = d.discard(2, dev, Some(two.clone())).await;
+    assert!(unlinked.is_err(), "refused");
+    assert!(
+        t0.elapsed() < limit,
+        "refused at once while the first hangs"
+    );
+    assert_eq!(d.disk.given_up(), 2);
+    assert!(
+        !going(2) && two.exists(),
+        "never started: cached again at once"
+    );
+    placed(&d, 2, vec![Bytes::from(d_bytes(2))]).await;
+    assert_eq!(
+        d.held_in(2),
+        Some(HeldIn::Cache),
+        "its new entry replaced the file"
+    );
+    // The first unlink returns: the file is gone, and the shard may be cached again.
+    drop(held.lock().unwrap().take());
+    until("the given-up unlink returned", || !going(1)).await;
+    assert!(!one.exists(), "deleted");
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -812,7 +1009,10 @@ async fn a_cache_entry_cut_short_is_deleted_and_read_again_not_sent() {
     os.open();
     let d = dataset("short", &os, Some(&dir)).await;
     placed(&d, 1, vec![Bytes::from(vec![1u8; SHARD as usize])]).await;
-    assert!(d.cached(1).await.is_some(), "a whole entry is served");
+    assert!(
+        matches!(d.cached(1).await, Cached::Hit(_)),
+        "a whole entry is served"
+    );
     let files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .filter_map(|e| e.ok())
@@ -827,7 +1027,7 @@ async fn a_cache_entry_cut_short_is_deleted_and_read_again_not_sent() {
         .unwrap();
     // Before: served (verified when written), and the sender's `sendfile` ran out of bytes
     // mid-payload: the node's whole session ended, again on every session it went to.
-    assert!(d.cached(1).await.is_none());
+    assert!(matches!(d.cached(1).await, Cached::Miss));
     assert!(
         !files[0].path().exists(),
         "the short entry is deleted: the next FETCH reads the store"
@@ -900,11 +1100,14 @@ async fn a_cache_entry_a_node_reports_corrupt_is_checked_again_and_read_anew() {
             .unwrap();
         f.write_all_at(&rot, 100).unwrap();
     }
-    assert!(d.cached(1).await.is_some(), "verified when written: served");
+    assert!(
+        matches!(d.cached(1).await, Cached::Hit(_)),
+        "verified when written: served"
+    );
     // A session the cache never served it to reports it.
     d.corrupt_reported(3, 1);
     assert!(
-        d.cached(1).await.is_none(),
+        matches!(d.cached(1).await, Cached::Miss),
         "checked against its CRC: failed"
     );
     assert!(
@@ -1024,7 +1227,10 @@ async fn a_node_session_asking_again_for_a_cached_shard_costs_no_crc_read() {
     assert_eq!(how, Served::Cached, "served from the entry, unchecked");
     assert_eq!(os.asked.load(Ordering::SeqCst), 0, "GETs");
     d.corrupt_reported(1, 1);
-    assert!(d.cached(1).await.is_none(), "reported: checked, failed");
+    assert!(
+        matches!(d.cached(1).await, Cached::Miss),
+        "reported: checked, failed"
+    );
     assert!(entry_files(&dir).is_empty(), "and deleted");
     let _ = std::fs::remove_dir_all(&dir);
 }

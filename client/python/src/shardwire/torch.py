@@ -23,15 +23,18 @@ exactly: each process's ``state_dict()`` holds its stream's position after the l
 yielded, and ``load_state_dict()`` makes the node start there, with nothing replayed (a
 checkpoint saved after an epoch ended, resumed with ``set_epoch(epoch + 1)``, starts that
 epoch in full; a mixture's from the saved position, which holds every dataset's cursor, and
-every later epoch from where the one before ended).
+every later epoch from where the one before ended, where the node takes that position for
+the request as it is then: else from a probe, as any other epoch).
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import multiprocessing.context
 import os
 import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +45,7 @@ from ._client import Client, Stream, _is_url, connect
 from ._cuda import CudaTensor
 from ._errors import ServiceError
 from ._http import HttpClient, HttpStream, _idle_timeout_s, _split
-from ._options import DATASET_NAMES, DATASET_REFUSED, StreamOptions, _as_int, _is_int, fill_doc
+from ._options import DATASET_NAMES, DATASET_REFUSED, StreamOptions, _as_int, _is_int, _mix_entries, fill_doc
 from ._types import Uneven
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -200,9 +203,19 @@ def _check_epoch_end(what: str, epoch: int, epochs: Any) -> None:
     """ValueError naming `what`, `epoch` and the bound when a stream that starts at `epoch`
     and delivers `epochs` would count past :data:`_EPOCHS_END` (before, ``set_epoch(2**32)``
     was taken, and the first item raised an error about ``epochs``, the keyword left at 1;
-    2**63 and more were truncated by the shared epoch's 64 bits). An `epochs` that is no
-    integer counts as 1 here: the stream's open refuses it, naming it."""
+    2**63 and more were truncated by the shared epoch's 64 bits); naming `epochs` where it
+    alone is past the bound. An `epochs` that is no integer counts as 1 here: the stream's
+    open refuses it, naming it. Checked where the epoch is set and again where the stream
+    opens: ``ds.epochs`` may be set after the epoch."""
     n = _as_int(epochs) if _is_int(epochs) else 1
+    if n > _EPOCHS_END and epoch < _EPOCHS_END:
+        # `epochs` alone is past the bound, whatever the epoch (before, the message named a
+        # negative epoch as the most allowed).
+        raise ValueError(
+            f"epochs={n} is more epochs than a stream counts ({what} is {epoch}): epoch + "
+            f"epochs must be at most 2**32 - 1 ({_EPOCHS_END}, the attach request's epochs "
+            f"field), so epochs at most {_EPOCHS_END - epoch}"
+        )
     if epoch + n > _EPOCHS_END:
         raise ValueError(
             f"{what} {epoch} with epochs={n} ends past the last epoch a stream counts: epoch + "
@@ -220,6 +233,52 @@ def _epoch_arg(what: str, epoch: Any, epochs: Any = 1) -> int:
         raise ValueError(f"{what} must be an integer >= 0, not {epoch!r}")
     _check_epoch_end(what, _as_int(epoch), epochs)
     return _as_int(epoch)
+
+
+#: The node's fixed-point one of mixture weights (``ONE`` in protocol/src/samples/mix.rs).
+_WEIGHT_ONE = 1 << 40
+
+
+def _fixed_weights(weights: list[float]) -> list[int]:
+    """The node's fixed-point weights of positive `weights` (``fixed_weights`` in
+    protocol/src/samples/mix.rs, step by step in the same float arithmetic): what a mixture
+    state's ``mix.weights`` holds where it was saved under these weights."""
+    top = max(weights)
+    total = 0.0
+    for w in weights:  # in order, as Rust's sum (Python's sum() of floats compensates)
+        total += w / top
+    # Rust's round() is half away from zero; x + 0.5 is exact below 2**52.
+    q = [max(1, math.floor(w / top / total * float(_WEIGHT_ONE) + 0.5)) for w in weights]
+    q[q.index(max(q))] += _WEIGHT_ONE - sum(q)  # the rounding error, to the first largest
+    return q
+
+
+def _resumed_fingerprint(probe: str, saved: str, names: list[str]) -> str:
+    """The fingerprint the node computes for a mixture stream opened at a state of fingerprint
+    `saved`, where a probe of that request (no state) has `probe`: a dataset whose saved fields
+    shuffle blocks (``NAME.shuffle=block``) without naming their keys
+    (``NAME.block_keys=global``) resumes with the legacy keys, whose fingerprint does not name
+    them (``BlockKeys::of_state``). The node resumes the state only where this equals
+    `saved`."""
+    fields = saved.split(";")
+    legacy = {
+        f"{n}.block_keys=global" for n in names
+        if f"{n}.shuffle=block" in fields and f"{n}.block_keys=global" not in fields
+    }
+    return ";".join(kv for kv in probe.split(";") if kv not in legacy)
+
+
+def _fingerprint_change(saved: Any, now: Any) -> str:
+    """What differs between fingerprints `saved` and `now`, as the node names it: the first
+    field of `now` that `saved` holds otherwise."""
+    if not isinstance(saved, str) or not isinstance(now, str):
+        return f"{saved!r} is not the request's {now!r}"
+    had = dict(kv.split("=", 1) if "=" in kv else (kv, "") for kv in saved.split(";"))
+    for kv in now.split(";"):
+        key, _, value = kv.partition("=")
+        if had.get(key) != value:
+            return f"differs in `{key}`: saved {had.get(key, '(missing)')}, the request has {value}"
+    return f"`{saved}` is not the request's `{now}`"
 
 
 def _worker() -> tuple[int, int]:
@@ -268,6 +327,7 @@ class _DatasetMixin:
     _pos_owner = 0
     _named = 0
     _finished: tuple[dict[str, Any], tuple[int, int]] | None = None
+    _started: tuple[dict[str, Any], tuple[int, int]] | None = None
     idle_timeout: float | None = None
 
     def __init__(
@@ -313,11 +373,15 @@ class _DatasetMixin:
         self._stream_state: dict[str, Any] | bytes | None = None
         self._resume: dict[str, Any] | None = None
         # A mixture's position at an epoch's start that an iteration of this process reached
-        # (its end) or started at, and the (worker, workers) of that process: the start of the
-        # next epoch, or this one's again after a `break` (see `_finished_at`). Not `_resume`,
+        # (its end: the start of the next epoch), and the one an iteration started at (this
+        # epoch's again, after a `break` or a full pass), each with the (worker, workers) of
+        # that process (see `_finished_at`). Two slots: a second pass over an epoch starts at
+        # its start, not from a probe whose replay would end at other cursors (before, those
+        # replaced the first pass's end, which later epochs continue from). Not `_resume`,
         # which the next iteration takes whatever its epoch: the same epoch again would resume
         # at its end, to nothing.
         self._finished = None
+        self._started = None
         # Iterations are numbered by `iter(dataset)` (`_gens`, the latest's number); the
         # position (`_stream_state`, and `_resume` after an error) is that of `_pos_owner`: the
         # latest, until another yields an item (a peek `next(iter(ds))` inside a loop must
@@ -412,10 +476,11 @@ class _DatasetMixin:
         It forgets the position of the previous iteration, so a ``state_dict()`` taken before
         the next item resumes at the start of `epoch` (a mixture's: the position where this
         process's iteration before reached it, if it ran to its end there, which holds every
-        dataset's cursor; see :meth:`_keeps`). ``StatefulDataLoader`` loads a saved
-        state after ``set_epoch`` (with ``num_workers=0``, even the state of an iteration that
-        had ended): see :meth:`load_state_dict` for which of the two the next iteration
-        follows.
+        dataset's cursor; see :meth:`_keeps`; opened at only where the node takes it for the
+        request as it is then, else from a probe: :meth:`_takes`). ``StatefulDataLoader``
+        loads a saved state after ``set_epoch`` (with ``num_workers=0``, even the state of an
+        iteration that had ended): see :meth:`load_state_dict` for which of the two the next
+        iteration follows.
 
         Raises:
             ValueError: `epoch` is not an integer >= 0, or ``epoch + epochs`` is past
@@ -456,10 +521,11 @@ class _DatasetMixin:
         mixture's state that lies exactly at the start of that epoch is kept and resumed
         from: it holds every dataset's cursor, so each dataset continues from it (under the
         weights given now, if they changed), and each later epoch from where the one before
-        ended; see :meth:`_keeps`. Until the next item,
-        :meth:`state_dict` returns the position loaded here. In shard mode the saved stream is
-        this process's own (one rank of ``world_size * num_workers``): resume with the same
-        world size and ``num_workers``, or the node refuses (``ServiceError``
+        ended; see :meth:`_keeps` (where the node would refuse such a state for the request as
+        it is when the epoch opens, the epoch opens from a probe: :meth:`_takes`). Until the
+        next item, :meth:`state_dict` returns the position loaded here. In shard mode the saved
+        stream is this process's own (one rank of ``world_size * num_workers``): resume with the
+        same world size and ``num_workers``, or the node refuses (``ServiceError``
         ``state_mismatch``, naming the field) when the next iteration opens the stream.
 
         Raises:
@@ -479,7 +545,8 @@ class _DatasetMixin:
         epoch = _epoch_arg("load_state_dict's state['epoch']", state["epoch"], self.options.epochs)
         stream = state["stream"]
         self._named += 1
-        self._finished = None  # the loaded position replaces where this process got to
+        # The loaded position replaces where this process got to.
+        self._finished = self._started = None
         if stream is not None and self.epoch > epoch and self._ended(epoch, stream):
             # StatefulDataLoader (num_workers=0) loads the state of a finished iteration too,
             # after `set_epoch` named the next one: that epoch starts whole, from this state
@@ -531,7 +598,9 @@ class _DatasetMixin:
         comes, code's second half twice). Other states are not kept: a probe gives the same
         start for them, and leaves free what such a state pins at an epoch boundary (the
         seed, the dataset's shards; in shard mode the world size and ``num_workers``; the
-        datasets of a mixture: another mixture, or one dataset, opens from a probe)."""
+        datasets of a mixture: another mixture, or one dataset, opens from a probe). A kept
+        state is opened at only where the node takes it for the request as it is then
+        (:meth:`_takes`: the seed, global batch, ... it pins may have changed since)."""
         return (
             isinstance(stream, dict)
             and isinstance(stream.get("mix"), dict)
@@ -550,13 +619,14 @@ class _DatasetMixin:
         return isinstance(self.dataset, Mapping) and names == [str(name) for name in self.dataset]
 
     def _finished_at(self, epoch: int) -> dict[str, Any] | None:
-        """`_finished`, the position at an epoch's start this process reached, where
-        :meth:`_keeps` keeps it as the start of `epoch` and this is the process (the
-        DataLoader worker, of as many) it was reached in; else None."""
-        if self._finished is None:
-            return None
-        stream, where = self._finished
-        return stream if where == _worker() and self._keeps(epoch, stream) else None
+        """The position at an epoch's start this process reached (`_finished`) or started an
+        iteration at (`_started`), whichever :meth:`_keeps` keeps as the start of `epoch`,
+        where this is the process (the DataLoader worker, of as many) it was reached in; else
+        None."""
+        for kept in (self._finished, self._started):
+            if kept is not None and kept[1] == _worker() and self._keeps(epoch, kept[0]):
+                return kept[0]
+        return None
 
     def _move_resume(self, epoch: int) -> None:
         """Makes `_resume` that of the next iteration, which starts at `epoch`, another epoch
@@ -567,6 +637,50 @@ class _DatasetMixin:
         if self._resume is None or not self._keeps(epoch, self._resume):
             self._resume = self._finished_at(epoch)
         self._resume_epoch = epoch
+
+    def _takes(self, state: dict[str, Any], fingerprint: Any) -> bool:
+        """True if the node takes `state`, a mixture's position kept as the start of an epoch
+        (:meth:`_keeps`), for the stream this process opens now, whose probe has
+        `fingerprint`. The node refuses (``state_mismatch``) a state of another fingerprint:
+        another seed or global batch (``batch_size`` times the world size), ``seq_len``,
+        ``tokens_column``, ``order``, ``shuffle``, ``shuffle_block`` or ``partitions``, a
+        dataset re-indexed; and new weights in a DataLoader worker's state, or saved weights
+        that make no schedule. Where it would refuse it, the epoch opens from the probe, as
+        every epoch did before such states were kept (before, ``ds.batch_size = 16`` between
+        two epochs, or an elastic resume on another global batch, failed at the first item),
+        with a warning where the weights changed: a probe's start holds no cursors, so the
+        node replays the schedule under the new weights, repeating and skipping samples."""
+        mix, saved = state["mix"], state.get("fingerprint")
+        names = [str(name) for name in self.dataset]
+        if isinstance(saved, str) and isinstance(fingerprint, str):
+            fingerprint = _resumed_fingerprint(fingerprint, saved, names)
+        same = isinstance(saved, str) and saved == fingerprint
+        weights = mix.get("weights")
+        asked = _fixed_weights([e["weight"] for e in _mix_entries(self.dataset)])
+        if weights == asked:
+            return same
+        valid = (
+            isinstance(weights, list)
+            and len(weights) == len(asked)
+            and all(_is_int(w) and w >= 1 for w in weights)
+            and sum(weights) == _WEIGHT_ONE
+        )
+        at_start = mix.get("step") == 0 and not any(mix.get("cursors") or [])
+        if same and valid and (_worker()[1] == 1 or at_start):
+            return True
+        why = f"its fingerprint {_fingerprint_change(saved, fingerprint)}" if not same else (
+            "its weights make no schedule" if not valid else
+            "a DataLoader worker's state takes no new weights (use num_workers=0)"
+        )
+        warnings.warn(
+            f"epoch {state.get('epoch')} of the mixture {names} opens from a probe, not at the "
+            f"saved position that holds every dataset's cursor: {why}. Its weights "
+            f"{weights} are not the request's {asked} (fixed point, 2**40 = 1), so the node "
+            "replays the schedule under the new weights: samples may repeat or be skipped",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
 
     def _ended(self, epoch: int, stream: dict[str, Any]) -> bool:
         """True if `stream`, a position saved in the iteration that started at `epoch`, lies at
@@ -642,7 +756,7 @@ class _DatasetMixin:
         if gen == self._pos_owner:
             self._stream_state, self._state_epoch = start, epoch
         if start is not None and self._keeps(epoch, start):
-            self._finished = (start, _worker())  # this epoch again (after a `break`) starts here
+            self._started = (start, _worker())  # this epoch again starts here
         taken = start is not None and start is self._resume
         if taken:
             self._resume = None  # taken by this iteration
@@ -696,6 +810,8 @@ class _DatasetMixin:
         (O(1) on the node: no probe, no replay)."""
         self._check_options()  # keywords set as attributes since the dataset was made
         o = self.options
+        # `ds.epochs` set since the epoch was (a saved `state` is checked nowhere else).
+        _check_epoch_end("the dataset's epoch", epoch, o.epochs)
         rank, world = _torch_ranks(self.rank, self.world_size)
         try:
             if state is None:
@@ -721,18 +837,25 @@ class _DatasetMixin:
     def _open_batches(self, client: Client | HttpClient, state: dict[str, Any] | None, epoch: int) -> Stream | HttpStream:
         """The batch-mode stream of this process: the DDP rank's batches, split among the
         DataLoader's workers (worker ``w`` of ``n`` takes the rank's batches ``w, w + n, ...``,
-        the order in which the DataLoader polls them)."""
+        the order in which the DataLoader polls them). A mixture's position kept as the
+        epoch's start (:meth:`_keeps`) is opened at only where the node takes it for the
+        request as it is now (:meth:`_takes`); else the epoch opens from a probe."""
+        # `ds.epochs` set since the epoch was: before, the open raised about the sum.
+        _check_epoch_end("the dataset's epoch", epoch, self.options.epochs)
         rank, world = _ddp_ranks(self.rank, self.world_size)
         worker, workers = _worker()
         opts = self.options.replace(rank=rank, world_size=world, worker=worker, num_workers=workers)
         extra = _transport_keywords(client, self.idle_timeout)
         end = epoch + opts.epochs
-        if state is None and epoch > 0:
-            # Epoch e's order needs the plan's fingerprint: learn it from a short-lived probe.
+        kept = state is not None and self._keeps(epoch, state)
+        if kept or (state is None and epoch > 0):
+            # Epoch e's order needs the plan's fingerprint: learn it from a short-lived probe
+            # (a kept state's too: whether the node takes it for this request).
             probe_opts = opts.replace(epochs=1, worker=None, num_workers=None)
             with client.open_stream(self.dataset, **probe_opts.keywords(), **extra) as probe:
                 base = probe.state_dict()
-            state = {**base, "epoch": epoch, "index": 0, "cursor": 0}
+            if not (kept and self._takes(state, base.get("fingerprint"))):
+                state = {**base, "epoch": epoch, "index": 0, "cursor": 0} if epoch > 0 else None
         if state is not None:
             # The stream must reach the saved position: its epoch, and past it when the
             # position lies inside that epoch. A state at the end of the last epoch (the
