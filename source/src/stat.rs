@@ -30,9 +30,9 @@
 //! while one hangs) also runs the disk operations of the object-storage datasets' caches
 //! (`remote`), with limiters of their own: one for the open, `fstat` and unlink of a cache
 //! entry ([`FS_CHECKS`] per file system), one with fewer slots for the CRC reads of entries,
-//! so a hit's open never waits behind a long read. A CRC read may run as long as it moves: it
-//! counts as hung once it read nothing for its limit ([`Limiter::on_device_moving`]), not by
-//! its length. A check refused because it could not start within its limit (its file system's
+//! so a hit's open never waits behind a long read. A CRC read may run as long as it moves,
+//! up to a total its caller sets: it counts as hung once one read did not return within its
+//! limit ([`Limiter::on_device_moving`]), not by its length. A check refused because it could not start within its limit (its file system's
 //! slots all under way, or no blocking thread free: the source is busy, the file system need
 //! not be) is told apart from one that did not return ([`not_started`]).
 
@@ -399,14 +399,16 @@ impl Limiter {
     /// read, a step per chunk) of file `name` of file system `dev`: it may run as long as it
     /// moves, and counts as hung once `limit` passes without a step (from its start or its
     /// last step: a read that did not return in that time), not by its length (a slow disk
-    /// shared by a few such reads is no dead one). It waits `limit` at most to start, as any
-    /// check. Once its caller stops waiting for it (gave it up, or was dropped), its next
-    /// step says so and it ends there.
+    /// shared by a few such reads is no dead one). Past `total` from its start its caller
+    /// stops waiting for it all the same, without counting it as hung (a disk that moves, too
+    /// slowly: the FETCH would outwait the node's limit for an unanswered fetch). It waits
+    /// `limit` at most to start, as any check. Once its caller stops waiting for it (gave it
+    /// up, or was dropped), its next step says so and it ends there.
     pub(crate) async fn on_device_moving<T, F>(
         &self,
         dev: u64,
         name: &str,
-        limit: Duration,
+        (limit, total): (Duration, Duration),
         check: F,
     ) -> Result<T, ShardChanged>
     where
@@ -421,9 +423,18 @@ impl Limiter {
             .start(key, name, limit, move || check(p.as_ref()))
             .await?;
         let mut from = began;
+        let cap = began + total;
         let joined = loop {
-            if let Ok(joined) = tokio::time::timeout_at(from + limit, &mut task).await {
+            if let Ok(joined) = tokio::time::timeout_at((from + limit).min(cap), &mut task).await {
                 break joined;
+            }
+            if tokio::time::Instant::now() >= cap {
+                let op = self.op;
+                let why = format!(
+                    "{op} still reading after {total:?}: the disk moves too slowly for the FETCH \
+                     to wait (it reads the store instead)"
+                );
+                return Err(stat_error(name, why));
             }
             let moved = progress.last_step().map(tokio::time::Instant::from_std);
             if let Some(moved) = moved.filter(|&m| m > from) {
@@ -433,8 +444,8 @@ impl Limiter {
             if self.give_up(key, &state) {
                 let op = self.op;
                 let why = format!(
-                    "{op} read nothing for {limit:?}: a read did not return (a network file \
-                     system whose server does not answer?)"
+                    "{op}: one read of its file did not return within {limit:?} (a network \
+                     file system whose server does not answer?)"
                 );
                 return Err(stat_error(name, why));
             }
@@ -971,19 +982,21 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_check_that_moves_runs_past_its_limit_and_one_that_stops_moving_is_given_up() {
         let limiter = Limiter::with_slots("CRC read", 1);
-        let limit = Duration::from_millis(300);
+        let (limit, total) = (Duration::from_secs(1), Duration::from_secs(3600));
         let (dev, key) = (21, Key::Device(21));
-        // Ten steps 100 ms apart: 1 s in all, each step well within the limit.
+        // Thirty steps 100 ms apart: 3 s in all, each step well within the limit.
         let moving = |p: &Progress| -> Result<u32, ShardChanged> {
-            for _ in 0..10 {
+            for _ in 0..30 {
                 std::thread::sleep(Duration::from_millis(100));
                 assert!(p.step(), "its caller still waits");
             }
-            Ok(10)
+            Ok(30)
         };
         let t0 = Instant::now();
-        let got = limiter.on_device_moving(dev, "a.bin", limit, moving).await;
-        assert_eq!(got.expect("it moved"), 10);
+        let got = limiter
+            .on_device_moving(dev, "a.bin", (limit, total), moving)
+            .await;
+        assert_eq!(got.expect("it moved"), 30);
         assert!(t0.elapsed() >= 3 * limit, "ran past its limit");
         // Two steps 50 ms apart, then a read that does not return until released.
         let (release, blocked) = std::sync::mpsc::channel::<()>();
@@ -999,19 +1012,21 @@ mod tests {
             Ok(0)
         };
         let t0 = Instant::now();
-        let e = limiter.on_device_moving(dev, "b.bin", limit, stops).await;
+        let e = limiter
+            .on_device_moving(dev, "b.bin", (limit, total), stops)
+            .await;
         let (e, waited) = (e.expect_err("given up"), t0.elapsed());
         assert!(
             waited >= limit + Duration::from_millis(100),
             "from its last step: {waited:?}"
         );
         assert!(
-            !not_started(&e) && e.to_string().contains("read nothing"),
+            !not_started(&e) && e.to_string().contains("did not return within"),
             "{e}"
         );
         assert_eq!(hung_in(&limiter, key), 1);
         let again = limiter
-            .on_device_moving(dev, "c.bin", limit, |_| Ok(1))
+            .on_device_moving(dev, "c.bin", (limit, total), |_| Ok(1))
             .await;
         let again = again.expect_err("refused while it hangs").to_string();
         assert!(again.contains("have not returned yet"), "{again}");
@@ -1030,8 +1045,49 @@ mod tests {
             "its last step said its caller stopped waiting"
         );
         let got = limiter
-            .on_device_moving(dev, "c.bin", limit, |_| Ok(1))
+            .on_device_moving(dev, "c.bin", (limit, total), |_| Ok(1))
             .await;
         assert_eq!(got.expect("checked again"), 1);
+    }
+
+    /// A check that keeps moving, too slowly, is no longer waited for once `total` has passed
+    /// from its start, and is not counted as hung (the next check of its file system runs);
+    /// its next step learns that nobody waits, and it ends. Before, each step moved its
+    /// deadline: a 1 GiB entry read at 3 s per MiB held its FETCH for 51 minutes, past the
+    /// node's limit for an unanswered fetch.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_check_that_moves_too_slowly_is_left_past_its_total_without_counting_as_hung() {
+        let limiter = Limiter::with_slots("CRC read", 1);
+        let (limit, total) = (Duration::from_secs(2), Duration::from_millis(600));
+        let (dev, key) = (22, Key::Device(22));
+        let ended = Arc::new(AtomicBool::new(false));
+        let e2 = Arc::clone(&ended);
+        let slow = move |p: &Progress| -> Result<u32, ShardChanged> {
+            while p.step() {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            e2.store(true, Ordering::SeqCst);
+            Ok(0)
+        };
+        let t0 = Instant::now();
+        let e = limiter
+            .on_device_moving(dev, "s.bin", (limit, total), slow)
+            .await;
+        let e = e.expect_err("left past its total");
+        assert!(t0.elapsed() >= total, "{:?}", t0.elapsed());
+        assert!(e.to_string().contains("still reading after"), "{e}");
+        assert_eq!(hung_in(&limiter, key), 0, "not counted as hung");
+        let t0 = Instant::now();
+        while !ended.load(Ordering::SeqCst) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the read did not end"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let got = limiter
+            .on_device_moving(dev, "t.bin", (limit, total), |_| Ok(1))
+            .await;
+        assert_eq!(got.expect("the file system is checked as before"), 1);
     }
 }

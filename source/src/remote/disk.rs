@@ -8,9 +8,10 @@
 //! large entries kept every dataset's hits on that disk from starting, and those read the
 //! store); and none of a kind on a file system while one of that kind is past its limit and
 //! has not returned. An open or an unlink has [`STAT_LIMIT`] once started; a CRC read runs as
-//! long as it moves, and is given up once it read nothing for [`STAT_LIMIT`] (before, 1 s per
-//! 16 MiB of the entry in all: a slow but moving read on a busy disk counted as one on a dead
-//! mount). Each may wait [`STAT_LIMIT`] to start. Before any of this, the open and `fstat` ran
+//! long as it moves, and is given up once one read of 1 MiB did not return within
+//! [`STAT_LIMIT`] (before, 1 s per 16 MiB of the entry in all: a slow but moving read on a
+//! busy disk counted as one on a dead mount), and left, not counted as hung, once it ran
+//! [`STAT_LIMIT`] plus 1 s per 4 MiB of the entry ([`CRC_MIN_RATE`]). Each may wait [`STAT_LIMIT`] to start. Before any of this, the open and `fstat` ran
 //! on the runtime's worker threads: on a cache disk that stopped answering (an NFS mount or a
 //! network block device whose server went away), two FETCHes of cached shards held both, and
 //! every dataset, session, the accept loop and `/healthz` stopped.
@@ -64,7 +65,7 @@ pub(super) struct CacheDisk {
     /// shared like `checks`.
     reads: Limiter,
     /// How long an open and `fstat`, or an unlink, may run once started, and any operation
-    /// wait to start; how long a CRC read may go without reading a byte ([`STAT_LIMIT`]).
+    /// wait to start; how long one 1 MiB read of a CRC check may take ([`STAT_LIMIT`]).
     limit: Duration,
     /// Its warnings, one of each kind (could not start: true) every [`warn_limit::EVERY`] at
     /// most.
@@ -216,7 +217,7 @@ impl RemoteDataset {
         let Ok(file) = hit.file.try_clone() else {
             return Ok(false);
         };
-        let got = self.crc_read(file, (at.0, &at.1)).await?;
+        let got = self.crc_read(file, hit.len, (at.0, &at.1)).await?;
         if got.as_ref().ok() == Some(&want) {
             cache.lock().expect("poisoned").verified(shard, hit.id);
             return Ok(true);
@@ -274,23 +275,25 @@ impl RemoteDataset {
 
     /// The CRC-32C of `file`, the cache file `path` of file system `dev`, read on a blocking
     /// thread in the CRC reads' own slots ([`CacheDisk::reads`]) for as long as it moves
-    /// ([`Limiter::on_device_moving`]); [`GaveUp`] if it read nothing for the limit or could
-    /// not start ([`Self::answered`]).
+    /// ([`Limiter::on_device_moving`]) and at most [`crc_total`]; [`GaveUp`] if one read did not
+    /// return within the limit, it ran past its total, or it could not start
+    /// ([`Self::answered`]).
     async fn crc_read(
         &self,
         file: File,
+        len: u64,
         (dev, path): (u64, &Path),
     ) -> Result<io::Result<u32>, GaveUp> {
         let name = path.display().to_string();
         let at = path.to_path_buf();
         let read = move |progress: &Progress| Ok(file_crc(&file, &at, progress));
         let (reads, limit) = (&self.disk.reads, self.disk.limit);
-        let got = reads.on_device_moving(dev, &name, limit, read).await;
-        self.answered("CRC read", &name, got)
+        let got = reads.on_device_moving(dev, &name, (limit, crc_total(limit, len)), read);
+        self.answered("CRC read", &name, got.await)
     }
 
     /// `got`, what operation `what` of the cache file `name` answered; where it was given up
-    /// (it did not return or read nothing within its limit, an earlier one of its file system
+    /// (it did not return within its limit, a CRC read ran past its total, an earlier one of its file system
     /// has not returned, or it could not start), counted and logged, and [`GaveUp`]: the
     /// caller reads the shard from the store.
     fn answered<T>(
@@ -341,6 +344,17 @@ impl RemoteDataset {
         }
         Err(GaveUp)
     }
+}
+
+/// Below this rate a CRC read is left (its FETCH reads the store; the read is not taken for a
+/// hung one): a slow disk that still moves would hold a 1 GiB entry's FETCH past the node's
+/// limit for an unanswered fetch (30 min and 1 s per MiB).
+const CRC_MIN_RATE: u64 = 4 << 20;
+
+/// How long a CRC read of an entry of `len` bytes is waited for in all: `limit` and 1 s per
+/// [`CRC_MIN_RATE`] bytes.
+fn crc_total(limit: Duration, len: u64) -> Duration {
+    limit + Duration::from_secs(len / CRC_MIN_RATE)
 }
 
 /// CRC-32C of the whole file `file` (the cache file `path`), a step of `progress` per chunk

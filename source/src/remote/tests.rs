@@ -711,7 +711,7 @@ async fn a_crc_read_is_given_up_when_it_stops_moving_not_when_it_is_slow() {
 async fn an_unlink_given_up_or_refused_lets_the_shard_be_cached_again() {
     let dir = cache_dir("unlink-given-up");
     let os = Arc::new(Gated::new());
-    let limit = Duration::from_millis(300);
+    let limit = Duration::from_secs(1);
     let d = with_entries("unlink-given-up", &os, &dir, limit, &[1, 2], &[]).await;
     let c = d.cache.as_ref().expect("a cache");
     // An entry taken out (as one found cut short): its file system and file to delete.

@@ -648,8 +648,12 @@ class _DatasetMixin:
         that make no schedule. Where it would refuse it, the epoch opens from the probe, as
         every epoch did before such states were kept (before, ``ds.batch_size = 16`` between
         two epochs, or an elastic resume on another global batch, failed at the first item),
-        with a warning where the weights changed: a probe's start holds no cursors, so the
-        node replays the schedule under the new weights, repeating and skipping samples."""
+        and a warning: a probe's start holds no cursors, so the node replays the schedule to
+        the epoch under the request as it is now, which reaches the cursors the run is at only
+        if nothing that shapes the schedule (weights, global batch, ...) changed before: a
+        state saved after a weight change carries the new weights, so the SDK cannot tell a
+        replay that repeats and skips samples from one that does not, and says so every time
+        (before, it warned only where the state's weights differed from the request's)."""
         mix, saved = state["mix"], state.get("fingerprint")
         names = [str(name) for name in self.dataset]
         if isinstance(saved, str) and isinstance(fingerprint, str):
@@ -657,8 +661,8 @@ class _DatasetMixin:
         same = isinstance(saved, str) and saved == fingerprint
         weights = mix.get("weights")
         asked = _fixed_weights([e["weight"] for e in _mix_entries(self.dataset)])
-        if weights == asked:
-            return same
+        if same and weights == asked:
+            return True
         valid = (
             isinstance(weights, list)
             and len(weights) == len(asked)
@@ -672,11 +676,18 @@ class _DatasetMixin:
             "its weights make no schedule" if not valid else
             "a DataLoader worker's state takes no new weights (use num_workers=0)"
         )
+        replay = (
+            f"Its weights {weights} are not the request's {asked} (fixed point, 2**40 = 1), so the "
+            "node replays the schedule under the new weights"
+            if weights != asked
+            else "The node replays the schedule to this epoch under the request as it is now, which "
+            "reaches the run's cursors only if nothing that shapes it (weights, global batch) "
+            "changed earlier in the run"
+        )
         warnings.warn(
             f"epoch {state.get('epoch')} of the mixture {names} opens from a probe, not at the "
-            f"saved position that holds every dataset's cursor: {why}. Its weights "
-            f"{weights} are not the request's {asked} (fixed point, 2**40 = 1), so the node "
-            "replays the schedule under the new weights: samples may repeat or be skipped",
+            f"saved position that holds every dataset's cursor: {why}. {replay}: samples may "
+            "repeat or be skipped",
             RuntimeWarning,
             stacklevel=2,
         )
