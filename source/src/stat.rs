@@ -428,28 +428,34 @@ impl Limiter {
             if let Ok(joined) = tokio::time::timeout_at((from + limit).min(cap), &mut task).await {
                 break joined;
             }
-            if tokio::time::Instant::now() >= cap {
+            // A read that did not return within `limit` is hung, whatever the total (checked
+            // first: an entry whose total is its limit, under 4 MiB in the cache, would else
+            // never count as hung, and its stuck reads would hold every slot uncounted).
+            let moved = progress.last_step().map(tokio::time::Instant::from_std);
+            let moved = moved.filter(|&m| m > from);
+            let now = tokio::time::Instant::now();
+            if moved.is_none() && now >= from + limit {
+                if self.give_up(key, &state) {
+                    let op = self.op;
+                    let why = format!(
+                        "{op}: one read of its file did not return within {limit:?} (a \
+                         network file system whose server does not answer?)"
+                    );
+                    return Err(stat_error(name, why));
+                }
+                break task.await; // it returned just as the limit ran out
+            }
+            if now >= cap {
                 let op = self.op;
                 let why = format!(
                     "{op} still reading after {total:?}: the disk moves too slowly for the FETCH \
                      to wait (it reads the store instead)"
                 );
-                return Err(stat_error(name, why));
+                return Err(slow_error(name, why));
             }
-            let moved = progress.last_step().map(tokio::time::Instant::from_std);
-            if let Some(moved) = moved.filter(|&m| m > from) {
+            if let Some(moved) = moved {
                 from = moved; // it moved since: its limit runs from its last step
-                continue;
             }
-            if self.give_up(key, &state) {
-                let op = self.op;
-                let why = format!(
-                    "{op}: one read of its file did not return within {limit:?} (a network \
-                     file system whose server does not answer?)"
-                );
-                return Err(stat_error(name, why));
-            }
-            break task.await; // it returned just as the limit ran out
         };
         answer(name, joined)
     }
@@ -639,6 +645,27 @@ fn stat_error(name: &str, why: String) -> ShardChanged {
         name: name.to_owned(),
         source: io::Error::new(io::ErrorKind::TimedOut, why),
     }
+}
+
+/// The check of file `name` moved, too slowly, past its total (`why`): not a hung one
+/// ([`too_slow`]).
+fn slow_error(name: &str, why: String) -> ShardChanged {
+    ShardChanged::Stat {
+        name: name.to_owned(),
+        source: io::Error::new(io::ErrorKind::TimedOut, TooSlow(why)),
+    }
+}
+
+/// Why a check was left past its total: it moved, too slowly ([`slow_error`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct TooSlow(String);
+
+/// Whether `e` is the answer of a check left past its total because it moved too slowly
+/// ([`Limiter::on_device_moving`]), not one that did not return or could not start.
+pub(crate) fn too_slow(e: &ShardChanged) -> bool {
+    matches!(e, ShardChanged::Stat { source, .. }
+        if source.get_ref().is_some_and(|inner| inner.is::<TooSlow>()))
 }
 
 /// The check of file `name` could not start in time (`why`): refused as `ReadFailed`, told
@@ -1075,7 +1102,10 @@ mod tests {
             .await;
         let e = e.expect_err("left past its total");
         assert!(t0.elapsed() >= total, "{:?}", t0.elapsed());
-        assert!(e.to_string().contains("still reading after"), "{e}");
+        assert!(
+            e.to_string().contains("still reading after") && too_slow(&e),
+            "{e}"
+        );
         assert_eq!(hung_in(&limiter, key), 0, "not counted as hung");
         let t0 = Instant::now();
         while !ended.load(Ordering::SeqCst) {
@@ -1089,5 +1119,27 @@ mod tests {
             .on_device_moving(dev, "t.bin", (limit, total), |_| Ok(1))
             .await;
         assert_eq!(got.expect("the file system is checked as before"), 1);
+    }
+
+    /// A check whose total is its limit (a cache entry under 4 MiB) and that never moves is
+    /// counted as hung, not left as a slow one: before, the total was looked at first, and on
+    /// a dead disk every such read held a slot without counting.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_check_that_never_moves_is_hung_even_when_its_total_is_its_limit() {
+        let limiter = Limiter::with_slots("CRC read", 1);
+        let limit = Duration::from_millis(300);
+        let (dev, key) = (23, Key::Device(23));
+        let (release, blocked) = std::sync::mpsc::channel::<()>();
+        let stuck = move |_: &Progress| -> Result<u32, ShardChanged> {
+            let _ = blocked.recv();
+            Ok(0)
+        };
+        let e = limiter
+            .on_device_moving(dev, "h.bin", (limit, limit), stuck)
+            .await;
+        let e = e.expect_err("given up");
+        assert!(!too_slow(&e) && !not_started(&e), "{e}");
+        assert_eq!(hung_in(&limiter, key), 1, "counted as hung");
+        release.send(()).unwrap();
     }
 }

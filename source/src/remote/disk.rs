@@ -67,9 +67,9 @@ pub(super) struct CacheDisk {
     /// How long an open and `fstat`, or an unlink, may run once started, and any operation
     /// wait to start; how long one 1 MiB read of a CRC check may take ([`STAT_LIMIT`]).
     limit: Duration,
-    /// Its warnings, one of each kind (could not start: true) every [`warn_limit::EVERY`] at
-    /// most.
-    warns: Mutex<WarnLimit<bool>>,
+    /// Its warnings, one of each kind (could not start, moved too slowly) every
+    /// [`warn_limit::EVERY`] at most.
+    warns: Mutex<WarnLimit<(bool, bool)>>,
     /// Operations given up so far (what `shardwire_source_cache_disk_given_up_total` counts).
     #[cfg(test)]
     given_up: std::sync::atomic::AtomicUsize,
@@ -307,6 +307,7 @@ impl RemoteDataset {
             Err(e) => e,
         };
         let busy = stat::not_started(&e);
+        let slow = stat::too_slow(&e);
         let why = match e {
             ShardChanged::Stat { source, .. } => source.to_string(),
             other => other.to_string(),
@@ -320,11 +321,18 @@ impl RemoteDataset {
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let warns = &self.disk.warns;
         let mut warns = warns.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(suppressed) = warns.hit(busy, Instant::now()) else {
+        let Some(suppressed) = warns.hit((busy, slow), Instant::now()) else {
             return Err(GaveUp);
         };
         drop(warns);
-        if busy {
+        if slow {
+            tracing::warn!(dataset = %self.name, file = %name, operation = what, error = %why,
+                suppressed, "a cache entry's CRC read moved too slowly to wait for (the disk \
+                 answers, slower than 4 MiB/s): this FETCH reads the shard from the store, the \
+                 entry stays cached unchecked, and other operations on that file system go on; \
+                 one such line every 10 s at most per dataset, `suppressed` counts those left \
+                 out since the last");
+        } else if busy {
             tracing::warn!(dataset = %self.name, file = %name, operation = what, error = %why,
                 suppressed, "a cache disk operation could not start in time: the source is \
                  busy (the cache operations of this file system allowed at once were all under \
