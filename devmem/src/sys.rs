@@ -485,10 +485,6 @@ pub(crate) fn rcvlowat(fd: BorrowedFd<'_>) -> io::Result<usize> {
     }
 }
 
-/// `SO_INCOMING_NAPI_ID` (include/uapi/asm-generic/socket.h: x86, arm64, riscv; the arches
-/// whose numbering differs, mips, sparc, parisc and alpha, are not built for).
-const SO_INCOMING_NAPI_ID: libc::c_int = 56;
-
 /// `getsockopt(SO_INCOMING_NAPI_ID)`: the id of the NAPI instance that received the socket's
 /// last packet; 0 when there was none with an id (loopback, a device without NAPI: the
 /// kernel turns every non-NAPI value into 0). A kernel built without
@@ -502,7 +498,7 @@ pub(crate) fn incoming_napi_id(fd: BorrowedFd<'_>) -> io::Result<u32> {
         libc::getsockopt(
             fd.as_raw_fd(),
             libc::SOL_SOCKET,
-            SO_INCOMING_NAPI_ID,
+            libc::SO_INCOMING_NAPI_ID,
             (&mut v as *mut libc::c_uint).cast(),
             &mut len,
         )

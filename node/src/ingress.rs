@@ -84,8 +84,8 @@ pub fn verdict(
     }
 }
 
-/// Connections at most waiting for the checker thread; past it one is not checked (counted
-/// as unknown, with the reason).
+/// Connections at most waiting for the checker thread; past it one is left unchecked, not
+/// counted, with a warning at most once per lane every [`warn_limit::EVERY`].
 const QUEUE: usize = 1024;
 
 /// A connection to check, with what its lines name.

@@ -13,8 +13,8 @@
 //! Layers, each using only those below it: `node` (what the fronts see) over `admission`,
 //! `info`, `control`, `status`, `stream` and `plane`; the plane (the warnings any peer can
 //! cause rate-limited by `shardwire_protocol::warn_limit`) over `link`, `matcher`, `binding`,
-//! `rx`, `ingress` (the NIC a data connection came
-//! in on, against its lane's) and `lanes`
+//! `rx`, `ingress` (the NIC a data connection came in on, against its lane's; over `lanes`
+//! and `matcher`) and `lanes`
 //! (each GPU/NIC pair: its plan, GPU, listener, CPUs; a leaf over the topology, GPU and devmem
 //! crates); streams and receivers over `fetch` (a fetch in
 //! flight and its one way to end; it carries `rx::error`, a leaf) and `counters`. The fronts see the

@@ -28,13 +28,14 @@
 //!
 //! The bound itself ([`Limiter`]: a time limit, a few at once per file system, refused at once
 //! while one hangs) also runs the disk operations of the object-storage datasets' caches
-//! (`remote`), with limiters of their own: one for the open, `fstat` and unlink of a cache
-//! entry ([`FS_CHECKS`] per file system), one with fewer slots for the CRC reads of entries,
-//! so a hit's open never waits behind a long read. A CRC read may run as long as it moves,
-//! up to a total its caller sets: it counts as hung once one read did not return within its
-//! limit ([`Limiter::on_device_moving`]), not by its length. A check refused because it could not start within its limit (its file system's
-//! slots all under way, or no blocking thread free: the source is busy, the file system need
-//! not be) is told apart from one that did not return ([`not_started`]).
+//! (`remote`), with limiters of their own: one for the open, `fstat` and unlink of a cache entry
+//! ([`FS_CHECKS`] per file system), one with fewer slots for the CRC reads of entries, so a hit's
+//! open never waits behind a long read. A CRC read may run as long as it moves, up to a total its
+//! caller sets: it counts as hung once one read did not return within its limit
+//! ([`Limiter::on_device_moving`]), not by its length. A check refused because it could not start
+//! within its limit (its file system's slots all under way, or no blocking thread free: the source
+//! is busy, the file system need not be) is told apart from one that did not return
+//! ([`not_started`]).
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -423,9 +424,16 @@ impl Limiter {
             .start(key, name, limit, move || check(p.as_ref()))
             .await?;
         let mut from = began;
-        let cap = began + total;
+        // Past its total the read is told to stop and watched until it ends at its next step
+        // or is found hung (no step for `limit`): left at the total at once, a read stuck
+        // just after a step would hold its slot uncounted. `slow` holds why it was left.
+        let (mut cap, mut slow) = (began + total, None);
         let joined = loop {
-            if let Ok(joined) = tokio::time::timeout_at((from + limit).min(cap), &mut task).await {
+            let done = tokio::time::timeout_at((from + limit).min(cap), &mut task).await;
+            if let Ok(joined) = done {
+                if let Some(why) = slow {
+                    return Err(slow_error(name, why));
+                }
                 break joined;
             }
             // A read that did not return within `limit` is hung, whatever the total (checked
@@ -447,11 +455,12 @@ impl Limiter {
             }
             if now >= cap {
                 let op = self.op;
-                let why = format!(
+                slow = Some(format!(
                     "{op} still reading after {total:?}: the disk moves too slowly for the FETCH \
                      to wait (it reads the store instead)"
-                );
-                return Err(slow_error(name, why));
+                ));
+                progress.stopped.store(true, Ordering::Relaxed);
+                cap = now + limit + limit; // past any hung verdict: only `from + limit` wakes
             }
             if let Some(moved) = moved {
                 from = moved; // it moved since: its limit runs from its last step
@@ -1139,6 +1148,31 @@ mod tests {
             .await;
         let e = e.expect_err("given up");
         assert!(!too_slow(&e) && !not_started(&e), "{e}");
+        assert_eq!(hung_in(&limiter, key), 1, "counted as hung");
+        release.send(()).unwrap();
+    }
+
+    /// A check whose total is its limit that takes one step and then blocks is found hung
+    /// (counted) once `limit` has passed without a step, not left as a slow one at its total:
+    /// left at once, its thread held its slot uncounted for good (a 2 MiB cache entry whose
+    /// disk died after its first 1 MiB).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_check_that_steps_then_blocks_is_hung_not_slow() {
+        let limiter = Limiter::with_slots("CRC read", 1);
+        let limit = Duration::from_millis(300);
+        let (dev, key) = (24, Key::Device(24));
+        let (release, blocked) = std::sync::mpsc::channel::<()>();
+        let once = move |p: &Progress| -> Result<u32, ShardChanged> {
+            std::thread::sleep(Duration::from_millis(100));
+            p.step();
+            let _ = blocked.recv();
+            Ok(0)
+        };
+        let e = limiter
+            .on_device_moving(dev, "o.bin", (limit, limit), once)
+            .await;
+        let e = e.expect_err("given up");
+        assert!(!too_slow(&e), "{e}");
         assert_eq!(hung_in(&limiter, key), 1, "counted as hung");
         release.send(()).unwrap();
     }

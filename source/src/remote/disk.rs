@@ -1,29 +1,30 @@
-//! A FETCH's disk operations on its dataset's cache: the open and `fstat` of a hit's file, the
-//! CRC read of an entry not checked since a restart or a node's report, and the unlink of one
-//! that failed. Each runs on a blocking thread under a [`Limiter`] shared by every dataset's
-//! cache (the bound of the `fstat`s of local shard files, with tables of their own): at most
-//! [`crate::stat::FS_CHECKS`] opens and unlinks of one file system at once, and [`CRC_READS`]
-//! CRC reads in slots of their own, so a hit's open never waits behind the read of a whole
-//! entry (before, they shared the 4 slots: after a restart, the first serves' CRC reads of
-//! large entries kept every dataset's hits on that disk from starting, and those read the
-//! store); and none of a kind on a file system while one of that kind is past its limit and
-//! has not returned. An open or an unlink has [`STAT_LIMIT`] once started; a CRC read runs as
-//! long as it moves, and is given up once one read of 1 MiB did not return within
-//! [`STAT_LIMIT`] (before, 1 s per 16 MiB of the entry in all: a slow but moving read on a
-//! busy disk counted as one on a dead mount), and left, not counted as hung, once it ran
-//! [`STAT_LIMIT`] plus 1 s per 4 MiB of the entry ([`CRC_MIN_RATE`]). Each may wait [`STAT_LIMIT`] to start. Before any of this, the open and `fstat` ran
-//! on the runtime's worker threads: on a cache disk that stopped answering (an NFS mount or a
-//! network block device whose server went away), two FETCHes of cached shards held both, and
-//! every dataset, session, the accept loop and `/healthz` stopped.
+//! A FETCH's disk operations on its dataset's cache: the open and `fstat` of a hit's file, the CRC
+//! read of an entry not checked since a restart or a node's report, and the unlink of one that
+//! failed. Each runs on a blocking thread under a [`Limiter`] shared by every dataset's cache (the
+//! bound of the `fstat`s of local shard files, with tables of their own): at most
+//! [`crate::stat::FS_CHECKS`] opens and unlinks of one file system at once, and [`CRC_READS`] CRC
+//! reads in slots of their own, so a hit's open never waits behind the read of a whole entry
+//! (before, they shared the 4 slots: after a restart, the first serves' CRC reads of large entries
+//! kept every dataset's hits on that disk from starting, and those read the store); and none of a
+//! kind on a file system while one of that kind is past its limit and has not returned. An open or
+//! an unlink has [`STAT_LIMIT`] once started; a CRC read runs as long as it moves, and is given up
+//! once one read of 1 MiB did not return within [`STAT_LIMIT`] (before, 1 s per 16 MiB of the entry
+//! in all: a slow but moving read on a busy disk counted as one on a dead mount), and left, not
+//! counted as hung, once it ran [`STAT_LIMIT`] plus 1 s per 4 MiB of the entry ([`CRC_MIN_RATE`]).
+//! Each may wait [`STAT_LIMIT`] to start. Before any of this, the open and `fstat` ran on the
+//! runtime's worker threads: on a cache disk that stopped answering (an NFS mount or a network
+//! block device whose server went away), two FETCHes of cached shards held both, and every dataset,
+//! session, the accept loop and `/healthz` stopped.
 //!
-//! An operation that did not return in time, or could not start in time, is given up: the
-//! FETCH reads the shard from the store at once, without looking in the cache again
-//! ([`Cached::GaveUp`]; checked against its CRC there: never a byte of a file that was not
-//! checked), the entry is left as it is, and a warning says so, one that could not start
-//! (the source is busy) told apart from one that did not answer (check the file system); at
-//! most one of each every 10 s per dataset, those left out counted in the next; one count per
-//! FETCH in `shardwire_source_cache_disk_given_up_total`. Every hit takes this thread hop, on
-//! a local disk too: a network block device formatted ext4 looks like one.
+//! An operation that did not return in time, could not start in time, or (a CRC read) moved
+//! too slowly to wait for, is given up: the FETCH reads the shard from the store at once, without
+//! looking in the cache again ([`Cached::GaveUp`]; checked against its CRC there: never a byte of
+//! a file that was not checked), the entry is left as it is, and a warning says so, one that could
+//! not start (the source is busy) and one too slow (the disk answers, slowly) told apart from one
+//! that did not answer (check the file system); at most one of each every 10 s per dataset, those
+//! left out counted in the next; one count per FETCH in
+//! `shardwire_source_cache_disk_given_up_total`. Every hit takes this thread hop, on a local disk
+//! too: a network block device formatted ext4 looks like one.
 
 use std::fs::File;
 use std::io;
@@ -292,9 +293,9 @@ impl RemoteDataset {
         self.answered("CRC read", &name, got.await)
     }
 
-    /// `got`, what operation `what` of the cache file `name` answered; where it was given up
-    /// (it did not return within its limit, a CRC read ran past its total, an earlier one of its file system
-    /// has not returned, or it could not start), counted and logged, and [`GaveUp`]: the
+    /// `got`, what operation `what` of the cache file `name` answered; where it was given up (it
+    /// did not return within its limit, a CRC read ran past its total, an earlier one of its file
+    /// system has not returned, or it could not start), counted and logged, and [`GaveUp`]: the
     /// caller reads the shard from the store.
     fn answered<T>(
         &self,
