@@ -160,9 +160,12 @@ pub(crate) struct Progress {
     base: Instant,
     /// Nanoseconds from `base` to its last step, plus one; 0 before its first.
     last: AtomicU64,
-    /// Set once its caller stopped waiting for it (gave it up, or was dropped: a FETCH
-    /// cancelled).
+    /// Set once its caller stopped waiting for it (gave it up, was dropped: a FETCH
+    /// cancelled, or left it past its total).
     stopped: AtomicBool,
+    /// Set once a step was told so ([`Self::step`] answered false): what the check then
+    /// returns is no answer of its own.
+    told: AtomicBool,
 }
 
 impl Progress {
@@ -172,6 +175,7 @@ impl Progress {
             base: Instant::now(),
             last: AtomicU64::new(0),
             stopped: AtomicBool::new(false),
+            told: AtomicBool::new(false),
         }
     }
 
@@ -180,7 +184,11 @@ impl Progress {
     pub(crate) fn step(&self) -> bool {
         let nanos = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX - 1);
         self.last.store(nanos + 1, Ordering::Relaxed);
-        !self.stopped.load(Ordering::Relaxed)
+        let stopped = self.stopped.load(Ordering::SeqCst);
+        if stopped {
+            self.told.store(true, Ordering::SeqCst);
+        }
+        !stopped
     }
 
     /// When it last stepped, if it did.
@@ -400,9 +408,12 @@ impl Limiter {
     /// read, a step per chunk) of file `name` of file system `dev`: it may run as long as it
     /// moves, and counts as hung once `limit` passes without a step (from its start or its
     /// last step: a read that did not return in that time), not by its length (a slow disk
-    /// shared by a few such reads is no dead one). Past `total` from its start its caller
-    /// stops waiting for it all the same, without counting it as hung (a disk that moves, too
-    /// slowly: the FETCH would outwait the node's limit for an unanswered fetch). It waits
+    /// shared by a few such reads is no dead one). Past `total` from its start it is told to
+    /// stop (a disk that moves, too slowly: the FETCH would outwait the node's limit for an
+    /// unanswered fetch) and watched until its next step ends it (the slow error, not counted
+    /// as hung) or it reads nothing for `limit` (hung): at most `total` plus `limit`, for a
+    /// check that ends at a step it is told to stop at. A check that ends on its own first
+    /// answers as it does. It waits
     /// `limit` at most to start, as any check. Once its caller stops waiting for it (gave it
     /// up, or was dropped), its next step says so and it ends there.
     pub(crate) async fn on_device_moving<T, F>(
@@ -431,9 +442,6 @@ impl Limiter {
         let joined = loop {
             let done = tokio::time::timeout_at((from + limit).min(cap), &mut task).await;
             if let Ok(joined) = done {
-                if let Some(why) = slow {
-                    return Err(slow_error(name, why));
-                }
                 break joined;
             }
             // A read that did not return within `limit` is hung, whatever the total (checked
@@ -459,14 +467,19 @@ impl Limiter {
                     "{op} still reading after {total:?}: the disk moves too slowly for the FETCH \
                      to wait (it reads the store instead)"
                 ));
-                progress.stopped.store(true, Ordering::Relaxed);
+                progress.stopped.store(true, Ordering::SeqCst);
                 cap = now + limit + limit; // past any hung verdict: only `from + limit` wakes
             }
             if let Some(moved) = moved {
                 from = moved; // it moved since: its limit runs from its last step
             }
         };
-        answer(name, joined)
+        // Left past its total, a check that was told so answered nothing of its own (a CRC
+        // read's "stopped" is no failed check); one that ended first answered for real.
+        match slow {
+            Some(why) if progress.told.load(Ordering::SeqCst) => Err(slow_error(name, why)),
+            _ => answer(name, joined),
+        }
     }
 
     /// Starts `check` of file `name` (of file system `key`) on a blocking thread within
@@ -1175,5 +1188,24 @@ mod tests {
         assert!(!too_slow(&e), "{e}");
         assert_eq!(hung_in(&limiter, key), 1, "counted as hung");
         release.send(()).unwrap();
+    }
+
+    /// A check past its total that ends on its own, not told at a step, answers as it does:
+    /// its answer is real (before 39adc6e's fix, the slow error replaced it; with it, a check
+    /// told to stop answered "stopped" and that was taken for its answer: a CRC read's
+    /// "stopped" for a failed check, deleting a good cache entry).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_check_that_ends_on_its_own_past_its_total_answers_as_it_does() {
+        let limiter = Limiter::with_slots("CRC read", 1);
+        let (limit, total) = (Duration::from_secs(2), Duration::from_millis(300));
+        let late = |_: &Progress| -> Result<u32, ShardChanged> {
+            std::thread::sleep(Duration::from_millis(400));
+            Ok(7)
+        };
+        let got = limiter
+            .on_device_moving(25, "l.bin", (limit, total), late)
+            .await;
+        assert_eq!(got.expect("its own answer"), 7);
+        assert_eq!(hung_in(&limiter, Key::Device(25)), 0);
     }
 }

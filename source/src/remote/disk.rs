@@ -9,8 +9,10 @@
 //! kind on a file system while one of that kind is past its limit and has not returned. An open or
 //! an unlink has [`STAT_LIMIT`] once started; a CRC read runs as long as it moves, and is given up
 //! once one read of 1 MiB did not return within [`STAT_LIMIT`] (before, 1 s per 16 MiB of the entry
-//! in all: a slow but moving read on a busy disk counted as one on a dead mount), and left, not
-//! counted as hung, once it ran [`STAT_LIMIT`] plus 1 s per 4 MiB of the entry ([`CRC_MIN_RATE`]).
+//! in all: a slow but moving read on a busy disk counted as one on a dead mount), and told to stop
+//! once it ran [`STAT_LIMIT`] plus 1 s per 4 MiB of the entry ([`CRC_MIN_RATE`]): it ends at its
+//! next 1 MiB (not counted as hung; its FETCH waits for that at most [`STAT_LIMIT`] more), or
+//! counts as hung if that read does not return within [`STAT_LIMIT`].
 //! Each may wait [`STAT_LIMIT`] to start. Before any of this, the open and `fstat` ran on the
 //! runtime's worker threads: on a cache disk that stopped answering (an NFS mount or a network
 //! block device whose server went away), two FETCHes of cached shards held both, and every dataset,
@@ -276,9 +278,9 @@ impl RemoteDataset {
 
     /// The CRC-32C of `file`, the cache file `path` of file system `dev`, read on a blocking
     /// thread in the CRC reads' own slots ([`CacheDisk::reads`]) for as long as it moves
-    /// ([`Limiter::on_device_moving`]) and at most [`crc_total`]; [`GaveUp`] if one read did not
-    /// return within the limit, it ran past its total, or it could not start
-    /// ([`Self::answered`]).
+    /// ([`Limiter::on_device_moving`]), told to stop past [`crc_total`] (its last read then
+    /// waited for, at most the limit); [`GaveUp`] if one read did not return within the limit,
+    /// it was stopped past its total, or it could not start ([`Self::answered`]).
     async fn crc_read(
         &self,
         file: File,
@@ -355,9 +357,9 @@ impl RemoteDataset {
     }
 }
 
-/// Below this rate a CRC read is left (its FETCH reads the store; the read is not taken for a
-/// hung one): a slow disk that still moves would hold a 1 GiB entry's FETCH past the node's
-/// limit for an unanswered fetch (30 min and 1 s per MiB).
+/// Below this rate a CRC read is told to stop (its FETCH reads the store; the read, ending at
+/// its next 1 MiB, is not taken for a hung one): a slow disk that still moves would hold a
+/// 1 GiB entry's FETCH past the node's limit for an unanswered fetch (30 min and 1 s per MiB).
 const CRC_MIN_RATE: u64 = 4 << 20;
 
 /// How long a CRC read of an entry of `len` bytes is waited for in all: `limit` and 1 s per
