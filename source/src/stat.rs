@@ -1099,9 +1099,9 @@ mod tests {
         assert_eq!(got.expect("checked again"), 1);
     }
 
-    /// A check that keeps moving, too slowly, is no longer waited for once `total` has passed
-    /// from its start, and is not counted as hung (the next check of its file system runs);
-    /// its next step learns that nobody waits, and it ends. Before, each step moved its
+    /// A check that keeps moving, too slowly, is told to stop once `total` has passed from its
+    /// start and waited for until its next step, which ends it (the slow error, not counted as
+    /// hung: the next check of its file system runs). Before, each step moved its
     /// deadline: a 1 GiB entry read at 3 s per MiB held its FETCH for 51 minutes, past the
     /// node's limit for an unanswered fetch.
     #[tokio::test(flavor = "current_thread")]
@@ -1191,9 +1191,10 @@ mod tests {
     }
 
     /// A check past its total that ends on its own, not told at a step, answers as it does:
-    /// its answer is real (before 39adc6e's fix, the slow error replaced it; with it, a check
-    /// told to stop answered "stopped" and that was taken for its answer: a CRC read's
-    /// "stopped" for a failed check, deleting a good cache entry).
+    /// its answer is real. Before (39adc6e), the slow error replaced an answer that came after
+    /// the total, and a check told to stop whose "stopped" came back just as its limit ran out
+    /// was taken for its answer (a CRC read's "stopped" for a failed check, deleting a good
+    /// cache entry).
     #[tokio::test(flavor = "current_thread")]
     async fn a_check_that_ends_on_its_own_past_its_total_answers_as_it_does() {
         let limiter = Limiter::with_slots("CRC read", 1);

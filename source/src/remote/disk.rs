@@ -70,8 +70,8 @@ pub(super) struct CacheDisk {
     /// How long an open and `fstat`, or an unlink, may run once started, and any operation
     /// wait to start; how long one 1 MiB read of a CRC check may take ([`STAT_LIMIT`]).
     limit: Duration,
-    /// Its warnings, one of each kind (could not start, moved too slowly) every
-    /// [`warn_limit::EVERY`] at most.
+    /// Its warnings, one of each kind (did not answer, could not start, moved too slowly)
+    /// every [`warn_limit::EVERY`] at most.
     warns: Mutex<WarnLimit<(bool, bool)>>,
     /// Operations given up so far (what `shardwire_source_cache_disk_given_up_total` counts).
     #[cfg(test)]
