@@ -230,18 +230,6 @@ impl IngressCheck {
         }
     }
 
-    /// Checks `sock` now, on this thread ([`Checker::check`]).
-    #[cfg(test)]
-    pub fn check(
-        &self,
-        lane: &Lane,
-        sock: &TcpStream,
-        peer: SocketAddr,
-        source: &str,
-    ) -> Option<Verdict> {
-        self.checker.check(lane, sock, peer, source)
-    }
-
     /// Says the wrong-NIC lines left out in windows now over.
     pub fn say_left_out(&self) {
         self.checker.say_left_out();
@@ -389,17 +377,17 @@ mod tests {
         let (sock, peer, _d1) = accept("127.0.0.1:0");
         let check = IngressCheck::default();
         let mut lane = Arc::into_inner(crate::lanes::test_lane(0, None)).unwrap();
-        assert_eq!(check.check(&lane, &sock, peer, "src:1"), None);
+        assert_eq!(check.checker.check(&lane, &sock, peer, "src:1"), None);
         lane.spec.nic = Some("sw-no-such0".into());
-        assert_eq!(check.check(&lane, &sock, peer, "src:1"), None);
+        assert_eq!(check.checker.check(&lane, &sock, peer, "src:1"), None);
         lane.spec.nic = Some("lo".into());
-        let v = check.check(&lane, &sock, peer, "src:1");
+        let v = check.checker.check(&lane, &sock, peer, "src:1");
         assert!(
             matches!(v, Some(Verdict::Unknown(ref why)) if why.contains("no NAPI id")),
             "{v:?}"
         );
         let (other, peer2, _d2) = accept("127.0.0.2:0");
-        assert_eq!(check.check(&lane, &other, peer2, "src:1"), None);
+        assert_eq!(check.checker.check(&lane, &other, peer2, "src:1"), None);
         let counted = |l: &Lane| {
             let s = &l.stats;
             [&s.on_nic, &s.wrong_nic, &s.nic_unknown].map(|c| c.load(Ordering::Relaxed))

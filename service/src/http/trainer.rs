@@ -699,8 +699,12 @@ async fn state(
 
 // --- leases ----------------------------------------------------------------------------------
 
-/// The stream holding `lease`, and the tensor `name` of its batch.
-fn leased_tensor(api: &Api, lease: u64, name: &str) -> Result<(u64, TensorView), ApiError> {
+/// The stream holding `lease` (its id and the stream), and the tensor `name` of its batch.
+fn leased_tensor(
+    api: &Api,
+    lease: u64,
+    name: &str,
+) -> Result<(u64, Arc<HttpStream>, TensorView), ApiError> {
     let (sid, tensors) = {
         let leases = api.leases.lock().expect("poisoned");
         let l = leases.get(&lease).ok_or_else(|| unknown_lease(lease))?;
@@ -716,7 +720,8 @@ fn leased_tensor(api: &Api, lease: u64, name: &str) -> Result<(u64, TensorView),
             ),
         ));
     };
-    Ok((sid, t))
+    let s = api.stream(sid).map_err(|_| unknown_lease(lease))?;
+    Ok((sid, s, t))
 }
 
 /// The headers of a tensor's answer, `Content-Length` aside (its body's length).
@@ -744,8 +749,7 @@ async fn tensor_head(
     p: Result<Path<(u64, String)>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let Path((lease, name)) = p.map_err(path_error)?;
-    let (sid, t) = leased_tensor(&api, lease, &name)?;
-    let s = api.stream(sid).map_err(|_| unknown_lease(lease))?;
+    let (_, s, t) = leased_tensor(&api, lease, &name)?;
     // Answered only while the node still holds the lease, as `GET` reads it (a stream the
     // node closed, which this API learns of within its tick, holds none).
     if !s.shared.holds_lease(lease) {
@@ -768,8 +772,7 @@ async fn tensor(
     p: Result<Path<(u64, String)>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let Path((lease, name)) = p.map_err(path_error)?;
-    let (sid, t) = leased_tensor(&api, lease, &name)?;
-    let s = api.stream(sid).map_err(|_| unknown_lease(lease))?;
+    let (sid, s, t) = leased_tensor(&api, lease, &name)?;
     // In use until the answer's body is gone (the download read, or the client left): the
     // idle reaper must not close the stream under a slow download. The body keeps only this
     // mark: a close during the download frees the region now (the bytes are copied already).
